@@ -1,0 +1,385 @@
+"""Experiment configuration: frozen dataclasses, validated on construction.
+
+Gin lives only at the edge: every class here is `@gin.configurable`, so a gin file or a
+`--gin_param` binding can set any field, but library code receives plain config objects.
+Every field is checked when the object is built; an error names the field, the value and
+the allowed range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import gin
+
+LAYER_KINDS = ("K", "M")  # K: Kimi Delta Attention, M: gated multi-head latent attention
+
+
+def _fail(cls: str, field: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"{cls}.{field} must be {allowed}, got {value!r}")
+
+
+def _check_in(cls: str, field: str, value: Any, options: Sequence[Any]) -> None:
+    if value not in options:
+        _fail(cls, field, value, "one of " + ", ".join(repr(o) for o in options))
+
+
+def _check_positive(cls: str, **fields: Any) -> None:
+    for name, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            _fail(cls, name, value, "a positive integer")
+
+
+def _check_non_negative(cls: str, **fields: Any) -> None:
+    for name, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            _fail(cls, name, value, "a non-negative integer")
+
+
+def _check_range(cls: str, field: str, value: float, lo: float, hi: float,
+                 lo_open: bool = False, hi_open: bool = False) -> None:
+    ok_lo = value > lo if lo_open else value >= lo
+    ok_hi = value < hi if hi_open else value <= hi
+    if not (ok_lo and ok_hi):
+        _fail(cls, field, value, f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention layer (DESIGN §3.1)."""
+
+    num_heads: int = 4
+    num_v_heads: int | None = None  # grouped value heads; None = num_heads
+    head_dim: int = 64
+    v_head_dim: int | None = None  # None = head_dim
+    conv_width: int = 4
+    gate: str = "bounded"  # "bounded": g = g_min·sigmoid(·); "softplus": the unbounded original
+    g_min: float = -5.0
+    chunk_size: int = 64
+    backend: str = "auto"
+
+    def __post_init__(self):
+        name = "KDAConfig"
+        _check_positive(name, num_heads=self.num_heads, head_dim=self.head_dim,
+                        conv_width=self.conv_width, chunk_size=self.chunk_size)
+        if self.num_v_heads is not None:
+            _check_positive(name, num_v_heads=self.num_v_heads)
+            if self.num_v_heads % self.num_heads:
+                _fail(name, "num_v_heads", self.num_v_heads,
+                      f"a multiple of num_heads={self.num_heads}")
+        if self.v_head_dim is not None:
+            _check_positive(name, v_head_dim=self.v_head_dim)
+        _check_in(name, "gate", self.gate, ("bounded", "softplus"))
+        _check_range(name, "g_min", self.g_min, -20.0, 0.0, hi_open=True)
+        if self.chunk_size % 16:
+            _fail(name, "chunk_size", self.chunk_size, "a positive multiple of 16")
+        _check_in(name, "backend", self.backend, ("auto", "reference", "xla", "pallas", "interpret"))
+
+    @property
+    def value_heads(self) -> int:
+        return self.num_v_heads or self.num_heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def bound(self) -> float | None:
+        """The decay bound promised to the kernel: g_min for the bounded gate, else None."""
+        return self.g_min if self.gate == "bounded" else None
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Gated multi-head latent attention (DESIGN §3.2). q_lora_rank=0 means no q compression."""
+
+    num_heads: int = 4
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    use_rope: bool = False  # NoPE by default: KDA layers carry position
+    rope_base: float = 10000.0
+    output_gate: bool = True
+    backend: str = "xla"
+
+    def __post_init__(self):
+        name = "MLAConfig"
+        _check_positive(name, num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
+                        qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim)
+        _check_non_negative(name, q_lora_rank=self.q_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim)
+        if self.rope_base <= 1.0:
+            _fail(name, "rope_base", self.rope_base, "> 1")
+        if self.use_rope and self.qk_rope_head_dim % 2:
+            _fail(name, "qk_rope_head_dim", self.qk_rope_head_dim, "even when use_rope=True")
+        _check_in(name, "backend", self.backend, ("xla", "cudnn", "pallas"))
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Router choice and its options (DESIGN §3.3); options unused by a router are ignored by it."""
+
+    name: str = "bias_sign"
+    alpha: float = 1e-2  # softmax_topk_aux: auxiliary-loss coefficient
+    gamma: float = 1e-3  # bias_sign: bias step
+    window: int = 1  # quantile / expert_threshold: statistics window in steps
+    rate: float = 1.0  # quantile: EMA blend of the new bias (1 = exact rule)
+    stats: str = "exact"  # quantile: "exact" ring buffer or "histogram"
+    bins: int = 256  # quantile histogram bins
+    k_max: int = 0  # expert_threshold: cap on experts per token (0 = 2·top_k)
+
+    def __post_init__(self):
+        name = "RouterConfig"
+        _check_in(name, "name", self.name,
+                  ("softmax_topk_aux", "bias_sign", "quantile", "expert_threshold"))
+        _check_range(name, "alpha", self.alpha, 0.0, 1.0)
+        _check_range(name, "gamma", self.gamma, 0.0, 1.0)
+        _check_positive(name, window=self.window, bins=self.bins)
+        _check_range(name, "rate", self.rate, 0.0, 1.0, lo_open=True)
+        _check_in(name, "stats", self.stats, ("exact", "histogram"))
+        _check_non_negative(name, k_max=self.k_max)
+
+    def options(self) -> dict[str, Any]:
+        """Keyword options for `routing.make_router`, only those the chosen router takes."""
+        by_router = {
+            "softmax_topk_aux": {"alpha": self.alpha},
+            "bias_sign": {"gamma": self.gamma},
+            "quantile": {"window": self.window, "rate": self.rate, "stats": self.stats,
+                         "bins": self.bins},
+            "expert_threshold": {"window": self.window,
+                                 **({"k_max": self.k_max} if self.k_max else {})},
+        }
+        return by_router[self.name]
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward (DESIGN §3.3)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    num_shared_experts: int = 1
+    expert_width: int = 256
+    activation: str = "swiglu"  # or "situ": β₁tanh(g/β₁)σ(g) · β₂tanh(u/β₂)
+    score_fn: str = "sigmoid"
+    routed_scaling: float = 1.0
+    capacity_factor: float = 1.25  # capacity dispatch: slots per expert = ceil(cf · N · k / E)
+    dispatch: str = "capacity"
+    first_k_dense: int = 0  # the first k layers use a dense FFN of width dense_width
+    dense_width: int = 1024
+    latent_dim: int = 0  # 0: experts work at d_model; >0: down-project, experts, norm, up-project
+
+    def __post_init__(self):
+        name = "MoEConfig"
+        _check_positive(name, num_experts=self.num_experts, top_k=self.top_k,
+                        expert_width=self.expert_width, dense_width=self.dense_width)
+        _check_non_negative(name, num_shared_experts=self.num_shared_experts,
+                            first_k_dense=self.first_k_dense, latent_dim=self.latent_dim)
+        if self.top_k > self.num_experts:
+            _fail(name, "top_k", self.top_k, f"in [1, num_experts={self.num_experts}]")
+        _check_in(name, "activation", self.activation, ("swiglu", "situ"))
+        _check_in(name, "score_fn", self.score_fn, ("sigmoid", "softmax"))
+        _check_range(name, "routed_scaling", self.routed_scaling, 0.0, 100.0, lo_open=True)
+        _check_range(name, "capacity_factor", self.capacity_factor, 0.0, 1e6, lo_open=True)
+        _check_in(name, "dispatch", self.dispatch, ("capacity", "dropless"))
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class AttnResConfig:
+    """Residual mode between sublayers (DESIGN §3.4)."""
+
+    mode: str = "none"  # "none": pre-norm residual; "block": Block AttnRes; "full": every output a source
+    block_size: int = 4  # layers per block in "block" mode
+    final: str = "attn_res"  # final hidden state: a last AttnRes mix, or the running "stream"
+
+    def __post_init__(self):
+        name = "AttnResConfig"
+        _check_in(name, "mode", self.mode, ("none", "block", "full"))
+        _check_positive(name, block_size=self.block_size)
+        _check_in(name, "final", self.final, ("attn_res", "stream"))
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The hybrid language model (DESIGN §3.5)."""
+
+    vocab_size: int = 259  # 256 bytes + BOS, EOS, PAD
+    d_model: int = 256
+    num_layers: int = 4
+    layer_pattern: str = "KKKM"  # repeated to num_layers
+    last_layer_mla: bool = True  # force the final layer to MLA (the published layouts end on one)
+    kda: KDAConfig = dataclasses.field(default_factory=KDAConfig)
+    mla: MLAConfig = dataclasses.field(default_factory=MLAConfig)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+    attn_res: AttnResConfig = dataclasses.field(default_factory=AttnResConfig)
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-6
+    dtype: str = "bfloat16"  # activation / compute dtype
+    param_dtype: str = "float32"
+    remat: str = "none"  # "none" | "full": rematerialise each layer in the backward pass
+
+    def __post_init__(self):
+        name = "ModelConfig"
+        _check_positive(name, vocab_size=self.vocab_size, d_model=self.d_model,
+                        num_layers=self.num_layers)
+        bad = sorted(set(self.layer_pattern) - set(LAYER_KINDS))
+        if not self.layer_pattern or bad:
+            _fail(name, "layer_pattern", self.layer_pattern,
+                  "a non-empty string of letters in {K, M}")
+        _check_in(name, "dtype", self.dtype, ("bfloat16", "float32"))
+        _check_in(name, "param_dtype", self.param_dtype, ("bfloat16", "float32"))
+        _check_in(name, "remat", self.remat, ("none", "full"))
+        _check_range(name, "norm_eps", self.norm_eps, 0.0, 1e-2, lo_open=True)
+        if self.moe.first_k_dense > self.num_layers:
+            _fail("MoEConfig", "first_k_dense", self.moe.first_k_dense,
+                  f"in [0, num_layers={self.num_layers}]")
+
+    @property
+    def layer_kinds(self) -> str:
+        """One letter per layer: the pattern repeated and cut to num_layers."""
+        reps = -(-self.num_layers // len(self.layer_pattern))
+        kinds = (self.layer_pattern * reps)[: self.num_layers]
+        if self.last_layer_mla:
+            kinds = kinds[:-1] + "M"
+        return kinds
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Training data. source="stdlib": the running Python's own standard library, byte tokens."""
+
+    source: str = "stdlib"  # or "array_record": shards written by experiments.prepare_data
+    path: str = ""  # array_record: directory of shards
+    seq_len: int = 512
+    batch_size: int = 8
+    seed: int = 0
+    validation_fraction: float = 0.05
+    skip_bad_records: bool = False
+    tokenizer: str = "bytes"  # "bytes" or the path of a `tokenizers` JSON file
+
+    def __post_init__(self):
+        name = "DataConfig"
+        _check_in(name, "source", self.source, ("stdlib", "array_record"))
+        if self.source == "array_record" and not self.path:
+            _fail(name, "path", self.path, "a directory of ArrayRecord shards when source='array_record'")
+        _check_positive(name, seq_len=self.seq_len, batch_size=self.batch_size)
+        _check_range(name, "validation_fraction", self.validation_fraction, 0.0, 0.5, lo_open=True)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class StageConfig:
+    """One stage of a context-length curriculum."""
+
+    seq_len: int = 512
+    steps: int = 100
+    batch_size: int = 0  # 0: keep TrainConfig tokens per step constant
+    long_doc_share: float = 0.0
+    eval_lengths: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        name = "StageConfig"
+        _check_positive(name, seq_len=self.seq_len, steps=self.steps)
+        _check_non_negative(name, batch_size=self.batch_size)
+        _check_range(name, "long_doc_share", self.long_doc_share, 0.0, 1.0)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, checkpointing and logging."""
+
+    steps: int = 600
+    optimizer: str = "adamw"  # or "muon" (embeddings, norms, gate biases stay on AdamW)
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    seed: int = 0
+    on_nonfinite: str = "skip"  # "skip" the step (counted) or "stop"
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    peak_tflops: float = 0.0  # 0: measure-free default per platform (see metrics.peak_flops)
+    stages: tuple[StageConfig, ...] = ()
+
+    def __post_init__(self):
+        name = "TrainConfig"
+        _check_positive(name, steps=self.steps, grad_accum=self.grad_accum,
+                        checkpoint_every=self.checkpoint_every, keep_checkpoints=self.keep_checkpoints,
+                        eval_every=self.eval_every, eval_batches=self.eval_batches,
+                        log_every=self.log_every)
+        _check_non_negative(name, warmup_steps=self.warmup_steps)
+        _check_in(name, "optimizer", self.optimizer, ("adamw", "muon"))
+        _check_range(name, "learning_rate", self.learning_rate, 0.0, 1.0, lo_open=True)
+        _check_range(name, "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _check_range(name, "weight_decay", self.weight_decay, 0.0, 1.0)
+        _check_range(name, "b1", self.b1, 0.0, 1.0, hi_open=True)
+        _check_range(name, "b2", self.b2, 0.0, 1.0, hi_open=True)
+        _check_range(name, "grad_clip", self.grad_clip, 0.0, 1e6)
+        _check_in(name, "on_nonfinite", self.on_nonfinite, ("skip", "stop"))
+        _check_range(name, "peak_tflops", self.peak_tflops, 0.0, 1e6)
+
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Named device mesh; one axis may be -1 for "all remaining devices"."""
+
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+    sequence: int = 1
+
+    def __post_init__(self):
+        sizes = self.sizes()
+        for axis, size in sizes.items():
+            if not isinstance(size, int) or (size <= 0 and size != -1):
+                _fail("MeshConfig", axis, size, "a positive integer or -1")
+        if list(sizes.values()).count(-1) > 1:
+            _fail("MeshConfig", "-1 axes", [a for a, s in sizes.items() if s == -1], "at most one")
+
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+
+def load_config(gin_files: Sequence[str], bindings: Sequence[str] = ()) -> ExperimentConfig:
+    """Parses gin files and bindings (in that order) and builds the experiment config.
+
+    Gin's global state is cleared first, so repeated calls (notebooks, sweeps) don't leak.
+    """
+    gin.clear_config()
+    for path in gin_files:  # `include 'base.gin'` resolves next to the including file
+        gin.add_config_file_search_path(os.path.dirname(os.path.abspath(path)))
+    gin.parse_config_files_and_bindings(list(gin_files), list(bindings))
+    return ExperimentConfig()

@@ -1,0 +1,1 @@
+"""Training: optimizer, the pure train step, checkpoints, metrics and the loop around them."""
