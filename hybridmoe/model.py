@@ -35,8 +35,9 @@ class HybridLM(nn.Module):
         else:
             attn = (nn.remat(MLA) if remat else MLA)(cfg.mla, name=f"layer_{index}_mla", **common)
         if index < cfg.moe.first_k_dense:
-            ffn = DenseFFN(width=cfg.moe.dense_width, activation=cfg.moe.activation,
-                           name=f"layer_{index}_ffn", **common)
+            ffn = DenseFFN(width=cfg.moe.dense_width, d_model=cfg.d_model,
+                           activation=cfg.moe.activation, dtype=dt, param_dtype=pdt,
+                           name=f"layer_{index}_ffn")
         else:
             ffn = MoE(cfg.moe, cfg.router, name=f"layer_{index}_moe", **common)
         return attn, ffn

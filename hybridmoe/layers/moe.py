@@ -1,0 +1,209 @@
+"""Mixture-of-experts feed-forward (DESIGN §3.3): router, capacity dispatch, routed/shared/latent experts.
+
+Data flow for x [B, T, d]:
+    scores = sigmoid|softmax(x W_router) in fp32            [N, E], N = B·T, tokens in position order
+    route with the router state of EARLIER batches           -> expert_ids, weights, mask [N, k']
+    combine = renormalise(weights over active slots) · routed_scaling
+    y = dispatch(x, expert_ids, combine, mask, experts) + shared(x)
+
+The router state (biases, statistics windows) lives in the "router" variable collection, never in params:
+`apply(..., mutable=["router"])` returns the state for the next batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from hybridmoe.config import MoEConfig, RouterConfig
+from hybridmoe.layers.common import Dense, RMSNorm, fan_in_init, param_with_axes
+from hybridmoe.routing import make_router
+
+SITU_BETA_GATE, SITU_BETA_UP = 4.0, 25.0
+
+
+def glu(g: jax.Array, u: jax.Array, activation: str) -> jax.Array:
+    """The gated activation, in fp32, returned in g's dtype.
+
+    swiglu: silu(g)·u;  situ: β₁tanh(g/β₁)σ(g) · β₂tanh(u/β₂) with β₁=4, β₂=25 (bounded both ways).
+    """
+    g32, u32 = g.astype(jnp.float32), u.astype(jnp.float32)
+    if activation == "swiglu":
+        h = jax.nn.silu(g32) * u32
+    elif activation == "situ":
+        h = (SITU_BETA_GATE * jnp.tanh(g32 / SITU_BETA_GATE) * jax.nn.sigmoid(g32)
+             * SITU_BETA_UP * jnp.tanh(u32 / SITU_BETA_UP))
+    else:
+        raise ValueError(f"MoEConfig.activation must be one of 'swiglu', 'situ', got {activation!r}")
+    return h.astype(g.dtype)
+
+
+class DenseFFN(nn.Module):
+    """Gated feed-forward (x W_gate, x W_up) -> glu -> W_down: x [..., d] -> [..., d_model].
+
+    Used for the first_k_dense layers and for the shared experts.
+    """
+
+    width: int
+    d_model: int
+    activation: str = "swiglu"
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        g = Dense(self.width, ("embed", "mlp"), name="w_gate", **kw)(x)
+        u = Dense(self.width, ("embed", "mlp"), name="w_up", **kw)(x)
+        return Dense(self.d_model, ("mlp", "embed"), name="w_down", **kw)(glu(g, u, self.activation))
+
+
+class ExpertWeights(NamedTuple):
+    w_gate: jax.Array  # [E, d, F]
+    w_up: jax.Array  # [E, d, F]
+    w_down: jax.Array  # [E, F, d]
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots per expert: ceil(capacity_factor · N · k / E), clipped to [1, N] (an expert sees a token once)."""
+    return min(max(math.ceil(capacity_factor * num_tokens * top_k / num_experts), 1), num_tokens)
+
+
+def _apply_experts(x_buf: jax.Array, w: ExpertWeights, activation: str) -> jax.Array:
+    """x_buf: [E, C, d] -> [E, C, d], every expert on its own buffer (batched einsums)."""
+    dt = x_buf.dtype
+    g = jnp.einsum("ecd,edf->ecf", x_buf, w.w_gate.astype(dt))
+    u = jnp.einsum("ecd,edf->ecf", x_buf, w.w_up.astype(dt))
+    return jnp.einsum("ecf,efd->ecd", glu(g, u, activation), w.w_down.astype(dt))
+
+
+def dispatch_capacity(x: jax.Array, expert_ids: jax.Array, combine: jax.Array, mask: jax.Array,
+                      experts: ExpertWeights, *, activation: str,
+                      capacity: int | None) -> tuple[jax.Array, jax.Array]:
+    """Sort by expert -> buffers [E, C, d] -> batched experts -> unsort and combine.
+
+    x: [N, d] tokens in position order; expert_ids, combine, mask: [N, k]; capacity: C slots per expert.
+    Returns y [N, d] and the number of active assignments that found no slot (dropped, int32 []).
+
+    The sort is stable and keyed by expert, then by assignment index token·k + slot, so inside each expert
+    the earliest tokens take the slots and an overflow drops the LATEST ones: whether a token is dropped
+    depends only on tokens at or before its own position (causal).
+    """
+    n, k = expert_ids.shape
+    num_experts, d = experts.w_gate.shape[0], x.shape[-1]
+    c = capacity
+    flat = jnp.where(mask, expert_ids, num_experts).reshape(-1)  # inactive slots -> sentinel E, sorted last
+    order = jnp.argsort(flat, stable=True)  # [N·k]
+    sorted_expert = flat[order]
+    counts = jnp.zeros(num_experts + 1, jnp.int32).at[flat].add(1)
+    rank = jnp.arange(n * k, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[sorted_expert]
+    keep = (sorted_expert < num_experts) & (rank < c)
+    # Buffer row of each assignment (num_experts·C = no row), back in assignment order.
+    row = jnp.zeros(n * k, jnp.int32).at[order].set(
+        jnp.where(keep, sorted_expert * c + rank, num_experts * c))
+    token_of_row = jnp.full(num_experts * c, n, jnp.int32).at[row].set(
+        jnp.arange(n * k, dtype=jnp.int32) // k, mode="drop")  # n = empty slot
+    x_buf = jnp.take(x, token_of_row, axis=0, mode="fill", fill_value=0).reshape(num_experts, c, d)
+    y_buf = _apply_experts(x_buf, experts, activation).reshape(num_experts * c, d)
+    y_assign = jnp.take(y_buf, row, axis=0, mode="fill", fill_value=0).reshape(n, k, d)
+    y = jnp.einsum("nkd,nk->nd", y_assign.astype(jnp.float32), combine.astype(jnp.float32))
+    dropped = jnp.sum(mask, dtype=jnp.int32) - jnp.sum(keep, dtype=jnp.int32)
+    return y.astype(x.dtype), dropped
+
+
+def dispatch_dropless(x: jax.Array, expert_ids: jax.Array, combine: jax.Array, mask: jax.Array,
+                      experts: ExpertWeights, *, activation: str,
+                      capacity: int | None) -> tuple[jax.Array, jax.Array]:
+    """Nothing dropped. CPU stand-in: the capacity path with C = N; the GPU grouped-GEMM path replaces it."""
+    if capacity is not None:
+        raise ValueError(f"dispatch_dropless takes capacity=None, got {capacity!r}")
+    return dispatch_capacity(x, expert_ids, combine, mask, experts, activation=activation,
+                             capacity=x.shape[0])
+
+
+DISPATCH: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
+    "capacity": dispatch_capacity, "dropless": dispatch_dropless}
+
+
+def combine_weights(weights: jax.Array, mask: jax.Array, routed_scaling: float) -> jax.Array:
+    """weights, mask: [N, k] -> [N, k]: renormalised over the active slots, times routed_scaling.
+
+    Renormalised for softmax scores too (DeepSeek's norm_topk_prob), so both score functions give
+    convex combinations of the chosen experts before scaling.
+    """
+    w = jnp.where(mask, weights, 0.0)
+    return w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * routed_scaling
+
+
+class MoE(nn.Module):
+    """x [B, T, d] -> (y [B, T, d], aux). aux = {"router_stats": dict, "aux_loss": [] fp32}."""
+
+    config: MoEConfig
+    router: RouterConfig
+    d_model: int
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    norm_eps: float = 1e-6
+
+    def _expert_weights(self, width_in: int) -> ExpertWeights:
+        cfg = self.config
+        e, f = cfg.num_experts, cfg.expert_width
+        axis_in = "latent" if cfg.latent_dim else "embed"
+        make = lambda name, shape, axes, fan_in: param_with_axes(
+            self, name, fan_in_init(fan_in), shape, axes, self.param_dtype)
+        return ExpertWeights(
+            make("w_gate", (e, width_in, f), ("expert", axis_in, "mlp"), width_in),
+            make("w_up", (e, width_in, f), ("expert", axis_in, "mlp"), width_in),
+            make("w_down", (e, f, width_in), ("expert", "mlp", axis_in), f))
+
+    def _route(self, x: jax.Array):
+        """x: [N, d] -> (RouterOutput, combine weights [N, k'])."""
+        cfg, n = self.config, x.shape[0]
+        router = make_router(self.router.name, cfg.num_experts, cfg.top_k, **self.router.options())
+        state = self.variable("router", "state", router.init_state, num_tokens=n)
+        w_router = param_with_axes(self, "w_router", fan_in_init(x.shape[-1]),
+                                   (x.shape[-1], cfg.num_experts), ("embed", "expert"), jnp.float32)
+        logits = jnp.dot(x.astype(jnp.float32), w_router)
+        scores = jax.nn.sigmoid(logits) if cfg.score_fn == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+        out = router.route(scores, state.value)
+        # Init leaves the fresh state; a mutable apply writes the state for the NEXT batch only.
+        if self.is_mutable_collection("router") and not self.is_initializing():
+            state.value = router.update(state.value, jax.lax.stop_gradient(scores),
+                                        jax.tree.map(jax.lax.stop_gradient, out))
+        return out, combine_weights(out.weights, out.mask, cfg.routed_scaling)
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        cfg = self.config
+        chex.assert_rank(x, 3)
+        chex.assert_axis_dimension(x, 2, self.d_model)
+        b, t, d = x.shape
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        # Time-major flattening: token order = position order, so capacity dropping stays causal
+        # across the whole batch (a token's slot never depends on any row's later positions).
+        tokens = x.swapaxes(0, 1).reshape(t * b, d).astype(self.dtype)
+        out, combine = self._route(tokens)
+
+        h = tokens
+        if cfg.latent_dim:
+            h = Dense(cfg.latent_dim, ("embed", "latent"), name="latent_down", **kw)(h)
+        capacity = (expert_capacity(t * b, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+                    if cfg.dispatch == "capacity" else None)
+        y, dropped = DISPATCH[cfg.dispatch](h, out.expert_ids, combine, out.mask,
+                                            self._expert_weights(h.shape[-1]),
+                                            activation=cfg.activation, capacity=capacity)
+        if cfg.latent_dim:
+            y = RMSNorm(self.norm_eps, name="latent_norm", **kw)(y)
+            y = Dense(d, ("latent", "embed"), name="latent_up", **kw)(y)
+        if cfg.num_shared_experts:
+            y = y + DenseFFN(cfg.num_shared_experts * cfg.expert_width, d, cfg.activation,
+                             name="shared", **kw)(tokens)
+
+        active = jnp.maximum(jnp.sum(out.mask), 1).astype(jnp.float32)
+        stats = {**out.stats, "dropped_fraction": jax.lax.stop_gradient(dropped / active)}
+        return y.reshape(t, b, d).swapaxes(0, 1), {"router_stats": stats, "aux_loss": out.aux_loss}
