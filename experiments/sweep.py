@@ -29,8 +29,8 @@ SWEEP = flags.DEFINE_multi_string("sweep", [], "'Class.field=[v1,v2,...]'; sever
 STEPS = flags.DEFINE_integer("steps", None, "Override TrainConfig.steps for every point.")
 WORKDIR = flags.DEFINE_string("workdir", "runs/sweep", "Where points, table and plot go.")
 
-RESULT_COLUMNS = ("point", "val_loss", "val_bits_per_byte", "tokens_per_s", "max_vio",
-                  "dropped_fraction", "entropy")
+ROUTER_STATS = ("max_vio", "min_load", "dropped_fraction", "load_entropy")
+RESULT_COLUMNS = ("point", "val_loss", "val_bits_per_byte", "tokens_per_s", *ROUTER_STATS)
 
 
 def parse_sweep(spec: str) -> tuple[str, list[Any]]:
@@ -74,7 +74,7 @@ def summarise(workdir: str) -> dict[str, Any]:
     out = {"val_loss": val[-1]["loss"] if val else float("nan"),
            "val_bits_per_byte": val[-1]["bits_per_byte"] if val else float("nan"),
            "tokens_per_s": train_recs[-1]["tokens_per_s"] if train_recs else float("nan")}
-    for stat in ("max_vio", "dropped_fraction", "entropy"):
+    for stat in ROUTER_STATS:
         values = [v for r in train_recs[-10:] for k, v in r.items()
                   if k.startswith("router/") and k.endswith("/" + stat)]
         out[stat] = sum(values) / len(values) if values else float("nan")

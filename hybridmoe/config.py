@@ -379,7 +379,13 @@ def load_config(gin_files: Sequence[str], bindings: Sequence[str] = ()) -> Exper
     Gin's global state is cleared first, so repeated calls (notebooks, sweeps) don't leak.
     """
     gin.clear_config()
-    for path in gin_files:  # `include 'base.gin'` resolves next to the including file
-        gin.add_config_file_search_path(os.path.dirname(os.path.abspath(path)))
-    gin.parse_config_files_and_bindings(list(gin_files), list(bindings))
+    paths = [os.path.abspath(p) for p in gin_files]
+    # Gin files include each other as 'configs/x.gin': resolve from the directory above configs/.
+    root = os.path.dirname(os.path.dirname(paths[0])) if paths else os.getcwd()
+    previous = os.getcwd()
+    os.chdir(root)
+    try:
+        gin.parse_config_files_and_bindings(paths, list(bindings))
+    finally:
+        os.chdir(previous)
     return ExperimentConfig()

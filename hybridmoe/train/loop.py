@@ -7,6 +7,7 @@ SIGINT/SIGTERM finish the current step, save a checkpoint and return.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -19,7 +20,7 @@ import numpy as np
 from absl import logging
 
 from hybridmoe import data as data_lib
-from hybridmoe.config import ExperimentConfig
+from hybridmoe.config import ExperimentConfig, TrainConfig
 from hybridmoe.model import build_model
 from hybridmoe.train import metrics as metrics_lib
 from hybridmoe.train.checkpoint import Checkpointer, abstract_like
@@ -80,15 +81,33 @@ def _progress(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
 
+def _step_relevant(tcfg: TrainConfig) -> TrainConfig:
+    """The config with fields the compiled step never reads reset, so changing them reuses it."""
+    defaults = TrainConfig()
+    return dataclasses.replace(tcfg, **{name: getattr(defaults, name) for name in (
+        "on_nonfinite", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches",
+        "log_every", "peak_tflops", "stages")})
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled_functions(model_cfg, train_cfg, micro_batch_shape):
+    """Model, optimizer and jitted step functions, shared by runs of one config in a process
+    (a resumed run, sweep points that differ only in data or steps) so they compile once."""
+    model = build_model(model_cfg)
+    example = jnp.zeros(micro_batch_shape, jnp.int32)
+    params_shape = jax.eval_shape(model.init, jax.random.key(0), example)["params"]
+    optimizer = make_optimizer(train_cfg, params_shape)
+    return model, optimizer, jit_train_step(model, optimizer, train_cfg), jit_eval_step(model)
+
+
 def train(config: ExperimentConfig, workdir: str, *, progress: bool = True,
           stop_after: int | None = None) -> TrainResult:
     """Trains to config.train.steps (or until `stop_after` steps in this call, for tests)."""
     tcfg, dcfg = config.train, config.data
     os.makedirs(workdir, exist_ok=True)
-    model = build_model(config.model)
     example = jnp.zeros((dcfg.batch_size // tcfg.grad_accum, dcfg.seq_len), jnp.int32)
-    params_shape = jax.eval_shape(model.init, jax.random.key(0), example)["params"]
-    optimizer = make_optimizer(tcfg, params_shape)
+    model, optimizer, step_fn, eval_fn = _compiled_functions(config.model, _step_relevant(tcfg),
+                                                             example.shape)
     state = init_train_state(model, optimizer, example, tcfg.seed)
     train_iter = data_lib.make_train_iterator(dcfg)
     eval_batches = data_lib.make_eval_batches(dcfg, tcfg.eval_batches)
@@ -101,8 +120,6 @@ def train(config: ExperimentConfig, workdir: str, *, progress: bool = True,
         train_iter.set_state(data_state)
         logging.info("Resumed from step %d in %s", step0, workdir)
 
-    step_fn = jit_train_step(model, optimizer, tcfg)
-    eval_fn = jit_eval_step(model)
     flops = model_flops_per_token(config.model, dcfg.seq_len)
     peak = tcfg.peak_tflops * 1e12 or metrics_lib.measured_peak_flops(
         jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32)

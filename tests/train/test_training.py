@@ -16,7 +16,7 @@ from hybridmoe.train.checkpoint import Checkpointer
 from hybridmoe.train.metrics import JSONL_KEYS
 
 MICRO = [
-    "ModelConfig.d_model = 32", "ModelConfig.dtype = 'float32'",
+    "ModelConfig.d_model = 32", "ModelConfig.num_layers = 2", "ModelConfig.dtype = 'float32'",
     "KDAConfig.num_heads = 2", "KDAConfig.head_dim = 16", "KDAConfig.chunk_size = 16",
     "MLAConfig.num_heads = 2", "MLAConfig.kv_lora_rank = 16", "MLAConfig.qk_nope_head_dim = 8",
     "MLAConfig.qk_rope_head_dim = 8", "MLAConfig.v_head_dim = 8",
@@ -85,7 +85,7 @@ def test_metrics_files_have_documented_keys(tmp_path):
 
 def test_interruption_saves_and_resumes(tmp_path, monkeypatch):
     workdir = str(tmp_path / "run")
-    config = micro_config("TrainConfig.checkpoint_every = 100")
+    config = micro_config()
     real_write = loop.metrics_lib.MetricsWriter.write
 
     def write_then_interrupt(self, step, record, split="train"):
@@ -148,13 +148,13 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
     monkeypatch.setattr(loop.data_lib, "make_train_iterator",
                         _poison_second_batch(loop.data_lib.make_train_iterator))
     workdir = str(tmp_path / "run")
-    loop.train(micro_config("TrainConfig.steps = 3"), workdir, progress=False)
+    loop.train(micro_config(), workdir, progress=False)
     train = [r for r in read_metrics(workdir) if r["split"] == "train"]
-    assert [r["skipped_steps"] for r in train] == [0, 1, 1]
+    assert [r["skipped_steps"] for r in train] == [0, 1, 1, 1, 1, 1]
     assert np.isnan(train[1]["loss"]) and np.isfinite(train[2]["loss"])
-    step, params = final_params(workdir, micro_config("TrainConfig.steps = 3"))
+    step, params = final_params(workdir, micro_config())
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(params))
 
     with pytest.raises(loop.NonFiniteError, match="step 2"):
-        loop.train(micro_config("TrainConfig.on_nonfinite = 'stop'", "TrainConfig.steps = 3"),
+        loop.train(micro_config("TrainConfig.on_nonfinite = 'stop'"),
                    str(tmp_path / "stop"), progress=False)

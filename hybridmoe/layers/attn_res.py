@@ -1,0 +1,157 @@
+"""Attention residuals: each sublayer reads a learned, input-dependent mix of earlier representations.
+
+DESIGN §3.4. A mixing site owns a pseudo-query `w ∈ R^d` (zero-initialised, so a new site is a
+uniform average of its sources) and a key-norm scale (ones). For sources `v_s` ([B, T, d] each):
+
+    k_s = RMSNorm(v_s) ⊙ scale,   α = softmax_s(w · k_s)  (fp32, no 1/√d),   out = Σ_s α_s v_s
+
+Keys are normalised; values are the raw sources. Modes (`AttnResConfig.mode`):
+
+- `none`: the standard pre-norm residual, x ← x + sublayer(norm(x)); no sites.
+- `full`: every sublayer output so far (plus the embedding) is a source: 2L + 1 at the end.
+- `block`: sources are the embedding, the finished block sums and the current partial sum. A block
+  sum is the sum of its sublayers' outputs (the embedding is its own source, never added in). The
+  partial sum restarts every `block_size` layers, so the stream holds N + 2 tensors per token for
+  N = ceil(L / block_size) blocks, not one per sublayer.
+
+Final representation (`AttnResConfig.final`, given to the output norm): the default `"attn_res"`
+reads it with one more site (`attn_res_final`, its own pseudo-query) over all sources, including an
+unfinished partial block. AttnRes-style models read the last hidden state with the same learned
+depth mixing as every sublayer; the plain sum would give every block equal weight again at the one
+place the head sees. `"stream"` is the ablation: the plain sum of the embedding and every sublayer
+output, which is exactly what mode `none` carries.
+
+A site given a single source returns it unchanged and creates no parameters: a softmax over one
+source is 1 whatever the query, so its query would be a parameter without gradient. This happens
+at the first sublayer of the model (the embedding is the only source) in `block` and `full`.
+
+The per-site key scale is folded into the query, keys · w = rms_normalize(v) · (scale ⊙ w), so no
+scaled copy of the sources is ever formed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from hybridmoe.config import AttnResConfig
+from hybridmoe.layers.common import param_with_axes, rms_normalize
+
+
+def attn_res_mix(sources: jax.Array, query: jax.Array, key_norm_scale: jax.Array,
+                 eps: float = 1e-6) -> jax.Array:
+    """Softmax-over-depth mix of sources, keyed by their RMS-normalised values.
+
+    sources [S, B, T, d], query [d], key_norm_scale [d] -> [B, T, d] in sources.dtype.
+    logits_s = (RMSNorm(sources_s) ⊙ scale) · query (no 1/√d); softmax over S in fp32;
+    output = Σ_s softmax_s · sources_s (the raw sources, not the normalised keys).
+    """
+    chex.assert_rank(sources, 4)
+    chex.assert_shape([query, key_norm_scale], (sources.shape[-1],))
+    q = key_norm_scale.astype(jnp.float32) * query.astype(jnp.float32)  # [d]
+    logits = jnp.sum(rms_normalize(sources, eps) * q, axis=-1)  # [S, B, T], fp32
+    weights = jax.nn.softmax(logits, axis=0)  # [S, B, T]
+    out = jnp.sum(weights[..., None] * sources.astype(jnp.float32), axis=0)  # [B, T, d]
+    return out.astype(sources.dtype)
+
+
+class AttnResSite(nn.Module):
+    """One mixing site: a list of [B, T, d] sources -> [B, T, d].
+
+    Parameters: "query" [d] (zeros, logical axes ("embed",)) and "key_norm" [d] (ones, ("norm",)).
+    A single source is returned as is, without creating parameters (see the module docstring).
+    """
+
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, sources: Sequence[jax.Array]) -> jax.Array:
+        if not sources:
+            raise ValueError("AttnResSite.sources must hold at least one array, got none")
+        chex.assert_equal_shape(list(sources))
+        if len(sources) == 1:
+            return sources[0]
+        d = sources[0].shape[-1]
+        query = param_with_axes(self, "query", nn.initializers.zeros, (d,), ("embed",))
+        key_norm = param_with_axes(self, "key_norm", nn.initializers.ones, (d,), ("norm",))
+        return attn_res_mix(jnp.stack(sources), query, key_norm, self.eps)
+
+
+Site = Callable[[Sequence[jax.Array]], jax.Array]  # an AttnResSite, or any stand-in in tests
+
+
+class ResidualStream:
+    """Plain-Python bookkeeping of the residual, used inside HybridLM.__call__ (holds arrays).
+
+    Per layer i, the model runs, for the attention and then the FFN sublayer,
+    `h = stream.sublayer_input(site); y = sublayer(norm(h)); stream.add(y)`, then
+    `stream.end_layer(i)`; at the end `stream.final(final_site)`. Sites are None in mode "none".
+    """
+
+    def __init__(self, config: AttnResConfig, embedding: jax.Array):
+        self.config = config
+        self._embedding = embedding  # [B, T, d]
+        self._finished: list[jax.Array] = []  # block: finished block sums; full: every output
+        self._partial: jax.Array | None = None  # block: sum of this block's outputs so far
+        # The plain running sum x, kept only where it is read (mode none, or final="stream").
+        keep_sum = config.mode == "none" or config.final == "stream"
+        self._sum: jax.Array | None = embedding if keep_sum else None
+
+    def _sources(self) -> list[jax.Array]:
+        partial = [] if self._partial is None else [self._partial]
+        return [self._embedding, *self._finished, *partial]
+
+    def _check_site(self, site: Site | None, where: str) -> None:
+        if self.config.mode == "none" and site is not None:
+            raise ValueError(f"ResidualStream.{where}: AttnResConfig.mode='none' takes no site, got {site!r}")
+        if self.config.mode != "none" and site is None:
+            raise ValueError(f"ResidualStream.{where}: AttnResConfig.mode={self.config.mode!r} "
+                             "needs an AttnResSite, got None")
+
+    def sublayer_input(self, site: Site | None) -> jax.Array:
+        """The [B, T, d] input of the next sublayer (before its pre-norm)."""
+        self._check_site(site, "sublayer_input")
+        if self.config.mode == "none":
+            return self._sum
+        return site(self._sources())
+
+    def add(self, output: jax.Array) -> None:
+        """Accounts one sublayer's output [B, T, d]."""
+        chex.assert_equal_shape([output, self._embedding])
+        if self._sum is not None:
+            self._sum = self._sum + output
+        if self.config.mode == "full":
+            self._finished.append(output)
+        elif self.config.mode == "block":
+            self._partial = output if self._partial is None else self._partial + output
+
+    def end_layer(self, layer_index: int) -> None:
+        """Block mode: closes the block after every `block_size` layers."""
+        if self.config.mode != "block" or (layer_index + 1) % self.config.block_size:
+            return
+        if self._partial is not None:
+            self._finished.append(self._partial)
+            self._partial = None
+
+    def final(self, site: Site | None) -> jax.Array:
+        """The [B, T, d] representation given to the output norm.
+
+        With final="stream" the site (if any) is not called, so it creates no parameters.
+        """
+        if self.config.mode == "none" or self.config.final == "stream":
+            if self.config.mode == "none":
+                self._check_site(site, "final")
+            return self._sum
+        self._check_site(site, "final")
+        return site(self._sources())
+
+    @property
+    def num_sources(self) -> int:
+        """Tensors held as sources now (1 in mode none: the running sum)."""
+        if self.config.mode == "none":
+            return 1
+        return len(self._sources())
