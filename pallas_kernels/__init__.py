@@ -1,0 +1,1 @@
+"""Kernels next to their references: `kda/` (chunked Kimi Delta Attention with a bounded decay)."""

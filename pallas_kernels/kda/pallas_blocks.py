@@ -1,0 +1,179 @@
+"""Per-chunk KDA algebra on 16-row sub-chunk blocks, written with the jnp ops that Pallas kernels lower.
+
+A chunk of C tokens is handled as C/R row blocks of R = 16 rows, each a separate [R, D] value: kernels on GPU cannot
+slice registers, so every quantity lives as a Python list of blocks (or a dict of [R, R] score blocks keyed (i, j),
+j <= i) and is written to or read from refs one block at a time. Everything is fp32; matmuls accumulate in fp32.
+
+Decayed scores  A[r, c] = sum_d x[r, d] y[c, d] e^(gam[r, d] - gam[c, d])  (c <= r)  are one matmul per block pair with
+the row block's first row as anchor rho_i: (x_i * e^(gam_i - rho_i)) (y_j * e^(rho_i - gam_j))^T. Off-diagonal factors
+are <= 1; on the diagonal e^(rho_i - gam_c) <= e^(15 |g_min|), finite under the bound ("dense"). Without a bound the
+diagonal blocks use exact pairwise differences instead ("pairwise"). Never anchor on a later row of the row block:
+that row is a future token for the earlier rows, and its gate would leak into their outputs through rounding.
+"""
+
+import contextlib
+import contextvars
+
+import jax.numpy as jnp
+from jax import lax
+
+ROWS = 16  # sub-chunk height: (ROWS - 1) * |g_min| must stay under fp32 exp's range for the dense diagonal
+_F32 = jnp.float32
+# Matmul algorithm while a kernel body is traced: None (TF32 operands on GPU tensor cores, enough for bf16 inputs) or
+# a lax.DotAlgorithmPreset such as TF32_TF32_F32_X3 for fp32 inputs. Set with matmul_precision, never globally.
+_PRECISION = contextvars.ContextVar("kda_matmul_precision", default=None)
+
+
+@contextlib.contextmanager
+def matmul_precision(precision):
+    token = _PRECISION.set(precision)
+    try:
+        yield
+    finally:
+        _PRECISION.reset(token)
+
+
+def _dot(a, b, dims):
+    return lax.dot_general(a, b, (dims, ((), ())), precision=_PRECISION.get(), preferred_element_type=_F32)
+
+
+def mm(a, b):
+    """a @ b for [m, k] x [k, n], fp32 accumulation."""
+    return _dot(a, b, ((1,), (0,)))
+
+
+def mm_nt(a, b):
+    """a @ b.T for [m, k] x [n, k]."""
+    return _dot(a, b, ((1,), (1,)))
+
+
+def mm_tn(a, b):
+    """a.T @ b for [k, m] x [k, n]."""
+    return _dot(a, b, ((0,), (0,)))
+
+
+def _iota(shape, axis):
+    return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def row(x, i):
+    """Row i (static or traced) of x: [R, D] -> [D], as a masked sum (exact: one non-zero term)."""
+    return jnp.sum(jnp.where(_iota(x.shape, 0) == i, x, 0), axis=0)
+
+
+def col(x, j):
+    """Column j of x: [R, R] -> [R]."""
+    return jnp.sum(jnp.where(_iota(x.shape, 1) == j, x, 0), axis=1)
+
+
+def element(x, i):
+    """x[i] of a vector x: [R] -> scalar."""
+    return jnp.sum(jnp.where(_iota(x.shape, 0) == i, x, 0))
+
+
+def gamma_blocks(g):
+    """Inclusive cumulative log decay over the chunk, block by block. g: list of [R, K] -> list of [R, K]."""
+    rows = g[0].shape[0]
+    out = []
+    for g_i in g:
+        gam = jnp.cumsum(g_i, axis=0)
+        if out:
+            gam = gam + row(out[-1], rows - 1)[None, :]
+        out.append(gam)
+    return out
+
+
+def _causal(rows, strict):
+    r, c = _iota((rows, rows), 0), _iota((rows, rows), 1)
+    return r > c if strict else r >= c
+
+
+def score_masks(doc, *, strict):
+    """Masks of the score block pairs (i, j), j <= i: same document and, on the diagonal, causal.
+
+    doc: list of [R] int document indices. strict=True excludes the diagonal (the L matrix), else includes it (Aqk).
+    """
+    masks = {}
+    for i, d_i in enumerate(doc):
+        for j in range(i + 1):
+            same = d_i[:, None] == doc[j][None, :]
+            masks[i, j] = (same & _causal(d_i.shape[0], strict)) if i == j else same
+    return masks
+
+
+def _pair_decay(gam, c):
+    """[R, K] e^(gam[a] - gam[c]) for rows a >= c, 0 above. Masking the exponent, not the exponential: rows above c
+    would overflow for an unbounded gate."""
+    return jnp.exp(jnp.where(_iota(gam.shape, 0) >= c, gam - row(gam, c)[None, :], -jnp.inf))
+
+
+def pairwise_columns(xs, y, gam):
+    """Exact diagonal block: [sum_d x[a, d] y[c, d] e^(gam[a, d] - gam[c, d])]_{a >= c} for each x in xs.
+
+    xs: tuple of [R, K]; y, gam: [R, K]. Returns a tuple of [R, R] (zero above the diagonal). One column per loop step
+    (a loop, not unrolled: small kernels compile faster): the decay tensor e^(gam_a - gam_c) is [R, R, K], too large
+    to hold at once.
+    """
+    rows = gam.shape[0]
+    col_ids = _iota((rows, rows), 1)
+
+    def column(c, out):
+        y_c = row(y, c)[None, :] * _pair_decay(gam, c)
+        return tuple(o + jnp.where(col_ids == c, jnp.sum(x * y_c, axis=1)[:, None], 0.0) for o, x in zip(out, xs))
+
+    return lax.fori_loop(0, rows, column, tuple(jnp.zeros((rows, rows), _F32) for _ in xs))
+
+
+def pairwise_grads(dscores, xs, y, gam):
+    """Backward of pairwise_columns: for each (dA, x), dx [R, K]; and dy [R, K] summed over the pairs."""
+    rows = gam.shape[0]
+
+    def column(c, carry):
+        dxs, dy = carry
+        decay = _pair_decay(gam, c)
+        y_c = row(y, c)[None, :] * decay
+        dy_c = 0.0
+        new_dxs = []
+        for dx, da, x in zip(dxs, dscores, xs):
+            da_c = col(da, c)[:, None]
+            new_dxs.append(dx + da_c * y_c)
+            dy_c = dy_c + jnp.sum(da_c * x * decay, axis=0)
+        return tuple(new_dxs), dy + jnp.where(_iota(gam.shape, 0) == c, dy_c[None, :], 0.0)
+
+    zeros = jnp.zeros_like(gam)
+    return lax.fori_loop(0, rows, column, (tuple(zeros for _ in xs), zeros))
+
+
+def nilpotent_inverse(n):
+    """(I - N)^-1 = (I + N)(I + N^2)(I + N^4)... for strictly lower n: [R, R], R a power of two (N^R = 0)."""
+    rows = n.shape[0]
+    eye = (_iota((rows, rows), 0) == _iota((rows, rows), 1)).astype(_F32)
+    inverse, power = eye + n, n
+    for _ in range(rows.bit_length() - 2):
+        power = mm(power, power)
+        inverse = mm(inverse, eye + power)
+    return inverse
+
+
+def forward_subst(l, t_diag, rhs):
+    """X = (I + L)^-1 rhs by block forward substitution. l: {(i, j): [R, R]}; t_diag: list of (I + L_ii)^-1;
+    rhs: block index -> [R, D] (computed on demand)."""
+    out = []
+    for i, t_ii in enumerate(t_diag):
+        r = rhs(i)
+        for j in range(i):
+            r = r - mm(l[i, j], out[j])
+        out.append(mm(t_ii, r))
+    return out
+
+
+def backward_subst(l, t_diag, rhs):
+    """X = (I + L)^-T rhs by block backward substitution (the transpose of forward_subst)."""
+    blocks = len(t_diag)
+    out = [None] * blocks
+    for j in reversed(range(blocks)):
+        r = rhs(j)
+        for i in range(j + 1, blocks):
+            r = r - mm_tn(l[i, j], out[i])
+        out[j] = mm_tn(t_diag[j], r)
+    return out

@@ -1,0 +1,130 @@
+"""Backward KDA kernels: a reverse scan over chunks for the state gradient (sequential), then per-chunk gradients
+(parallel over chunks) that recompute the chunk's forward quantities instead of storing them.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda import pallas_blocks as blk
+from pallas_kernels.kda.pallas_blocks import ROWS
+from pallas_kernels.kda.pallas_chunk import ChunkGrads, chunk_backward, chunk_core
+from pallas_kernels.kda.pallas_fwd import (block_writer, chunk_tile, chunk_vector, compiler_params, input_specs,
+                                           ref_chunk, sequence_specs, with_precision)
+
+_F32 = jnp.float32
+
+
+@with_precision
+def _state_grad_kernel(w_ref, qp_ref, kd_ref, d_ref, do_ref, ds_final_ref, ds_chunk_ref, dv_new_ref, ds_init_ref):
+    """One (batch, value head, value tile), last chunk first. dS is the gradient of the chunk's outgoing state."""
+    num_chunks = d_ref.shape[0]
+
+    def step(i, ds):  # ds: [K, Vt] fp32
+        n = num_chunks - 1 - i
+        ds_chunk_ref[n] = ds
+        dv_new = blk.mm(kd_ref[n], ds)
+        dv_new_ref[n] = dv_new
+        return d_ref[n][:, None] * ds + blk.mm_tn(qp_ref[n], do_ref[n].astype(_F32)) - blk.mm_tn(w_ref[n], dv_new)
+
+    ds_init_ref[...] = lax.fori_loop(0, num_chunks, step, ds_final_ref[...])
+
+
+def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
+    """Reverse recurrence dS_in = D dS_out + qp^T dO - w^T (kd dS_out).
+
+    w, qp, kd: [BN, HV, C, K]; d: [BN, HV, K]; do: [BN, C, HV, V]; ds_final: [B, HV, K, V] fp32.
+    Returns dS_out of every chunk [BN, HV, K, V], dV_new = kd dS_out [BN, HV, C, V] and dS of the initial state.
+    """
+    chunks, value_heads, chunk, key_dim = w.shape
+    batch, _, _, value_dim = ds_final.shape
+    tile = min(tuning.state_tile, value_dim)
+    keys, values, vector, states, time_major, state = sequence_specs(chunks // batch, key_dim, tile)
+    return pl.pallas_call(
+        functools.partial(_state_grad_kernel, precision=precision),
+        grid=(batch, value_heads, value_dim // tile),
+        in_specs=[keys(chunk)] * 3 + [vector, time_major(chunk), state],
+        out_specs=[states, values(chunk), state],
+        out_shape=[jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), _F32),
+                   jax.ShapeDtypeStruct((chunks, value_heads, chunk, value_dim), _F32),
+                   jax.ShapeDtypeStruct(ds_final.shape, _F32)],
+        compiler_params=compiler_params(tuning.state_warps, tuning.state_stages),
+        interpret=interpret,
+        name="kda_state_bwd",
+    )(w, qp, kd, d, do, ds_final)
+
+
+@with_precision
+def _state_side_kernel(s0_ref, ds_ref, w_ref, u_ref, do_ref, dv_new_ref, dqp_ref, dw_ref, dkd_ref, dd_ref, *, tile):
+    """Gradients of one chunk's qp, w, kd and D, which meet the state: all contract over the value width, taken
+    `tile` columns at a time so that only a [K, tile] slice of S0 and of dS is live."""
+    key_dim, value_dim = s0_ref.shape
+    dqp = dw = dkd = dd = 0.0
+    for t in range(value_dim // tile):
+        cols = (slice(None), pl.ds(t * tile, tile))
+        s0, ds = s0_ref[cols], ds_ref[cols]  # [K, tile]
+        v_new = u_ref[cols] - blk.mm(w_ref[...], s0)
+        dqp = dqp + blk.mm_nt(do_ref[cols].astype(_F32), s0)
+        dw = dw - blk.mm_nt(dv_new_ref[cols], s0)
+        dkd = dkd + blk.mm_nt(v_new, ds)
+        dd = dd + jnp.sum(s0 * ds, axis=1)
+    dqp_ref[...], dw_ref[...], dkd_ref[...], dd_ref[...] = dqp, dw, dkd, dd
+
+
+def state_side_grads(s0, ds, w, u, do, dv_new, *, tuning, interpret, precision):
+    """s0, ds: [BN, HV, K, V]; w: [BN, HV, C, K]; u, dv_new: [BN, HV, C, V]; do: [BN, C, HV, V].
+    Returns dqp, dw, dkd: [BN, HV, C, K] and dd: [BN, HV, K] (fp32)."""
+    chunks, value_heads, key_dim, value_dim = s0.shape
+    chunk = w.shape[2]
+    state = pl.BlockSpec((None, None, key_dim, value_dim), lambda n, h: (n, h, 0, 0))
+    do_spec = pl.BlockSpec((None, chunk, None, value_dim), lambda n, h: (n, 0, h, 0))
+    key_out = jax.ShapeDtypeStruct((chunks, value_heads, chunk, key_dim), _F32)
+    return pl.pallas_call(
+        functools.partial(_state_side_kernel, precision=precision, tile=min(tuning.state_tile, value_dim)),
+        grid=(chunks, value_heads),
+        in_specs=[state, state, chunk_tile(chunk, key_dim), chunk_tile(chunk, value_dim), do_spec,
+                  chunk_tile(chunk, value_dim)],
+        out_specs=[chunk_tile(chunk, key_dim)] * 3 + [chunk_vector(key_dim)],
+        out_shape=[key_out] * 3 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)],
+        compiler_params=compiler_params(tuning.intra_warps),
+        interpret=interpret,
+        name="kda_state_side_bwd",
+    )(s0, ds, w, u, do, dv_new)
+
+
+@with_precision
+def _intra_grad_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, do_ref, dv_new_ref, dqp_ref,
+                       dw_ref, dkd_ref, dd_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, dense):
+    x = ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
+    tile = lambda ref: (lambda i: ref[pl.ds(i * ROWS, ROWS), :].astype(_F32))  # noqa: E731
+    dy = ChunkGrads(do=tile(do_ref), du=tile(dv_new_ref), dqp=tile(dqp_ref), dw=tile(dw_ref), dkd=tile(dkd_ref),
+                    dd=dd_ref[...])
+    emit = block_writer(dict(dq=dq_ref, dk=dk_ref, dv=dv_ref, dg=dg_ref, dbeta=dbeta_ref), scales=dict(dq=scale))
+    chunk_backward(x, chunk_core(x, dense=dense), dy, emit, dense=dense)
+
+
+def intra_grads(q, k, v, g, beta, doc, doc_prev, do, dv_new, dqp, dw, dkd, dd, *, scale, dense, tuning, interpret,
+                precision):
+    """Input gradients per value head, chunked like the inputs: dq, dk: [BN, C, HV, K] (to be summed over each
+    q/k head's group), dv: [BN, C, HV, V], dg: [BN, C, HV, K], dbeta: [BN, C, HV], all fp32."""
+    chunks, chunk, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2:]
+    per_head = lambda d: pl.BlockSpec((None, chunk, None, d), lambda n, h: (n, 0, h, 0))  # noqa: E731
+    shape = lambda d: jax.ShapeDtypeStruct((chunks, chunk, value_heads, d), _F32)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_intra_grad_kernel, scale=scale, dense=dense, precision=precision),
+        grid=(chunks, value_heads),
+        in_specs=input_specs(chunk, key_dim, value_dim, value_heads // heads) + [
+            per_head(value_dim), chunk_tile(chunk, value_dim)] + [chunk_tile(chunk, key_dim)] * 3 + [
+            chunk_vector(key_dim)],
+        out_specs=[per_head(key_dim)] * 2 + [per_head(value_dim), per_head(key_dim),
+                                             pl.BlockSpec((None, chunk, None), lambda n, h: (n, 0, h))],
+        out_shape=[shape(key_dim)] * 2 + [shape(value_dim), shape(key_dim),
+                                          jax.ShapeDtypeStruct((chunks, chunk, value_heads), _F32)],
+        compiler_params=compiler_params(tuning.intra_warps),
+        interpret=interpret,
+        name="kda_intra_bwd",
+    )(q, k, v, g, beta, doc, doc_prev, do, dv_new, dqp, dw, dkd, dd)

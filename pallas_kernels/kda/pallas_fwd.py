@@ -1,0 +1,176 @@
+"""Forward KDA kernels: the per-chunk part (parallel over chunks) and the inter-chunk state scan (sequential).
+
+Layouts: every array is split into chunks, [B * N, C, ...] (inputs: a free reshape of [B, T, ...]); intermediates
+are per chunk and value head, [B * N, HV, C, D] fp32, so the scan reads each chunk as one contiguous tile. The
+per-chunk kernels then never see T: their compiled code is the same for every sequence length and batch size.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from pallas_kernels.kda import pallas_blocks as blk
+from pallas_kernels.kda.pallas_blocks import ROWS
+from pallas_kernels.kda.pallas_chunk import ChunkIn, carried_decay, chunk_core, chunk_forward
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Launch parameters. state_tile: value columns per program of the scans (more programs, less work each)."""
+
+    state_tile: int = 32
+    intra_warps: int = 8
+    state_warps: int = 4
+    state_stages: int = 2
+
+
+def compiler_params(warps, stages=None):
+    return pl_triton.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale):
+    """A ChunkIn reading 16-row blocks from a kernel's [C, D] input tiles on every use."""
+    rows = ROWS
+    size = q_ref.shape[0]
+    at = lambda i: pl.ds(i * rows, rows)  # noqa: E731
+    tile = lambda ref, mult=None: (  # noqa: E731
+        lambda i: ref[at(i), :].astype(_F32) if mult is None else ref[at(i), :].astype(_F32) * mult)
+    return ChunkIn(
+        blocks=size // rows, q=tile(q_ref, scale), k=tile(k_ref), v=tile(v_ref), g=tile(g_ref),
+        beta=lambda i: beta_ref[at(i)].astype(_F32), doc=lambda i: doc_ref[at(i)],
+        doc_in=blk.element(prev_ref[pl.ds(0, rows)], 0),
+        doc_last=blk.element(doc_ref[pl.ds(size - rows, rows)], rows - 1))
+
+
+def block_writer(refs, *, scales=None):
+    """emit(name, i, block) for chunk_forward / chunk_backward: stores block i into refs[name] ([C, D] or [C])."""
+    scales = scales or {}
+
+    def emit(name, i, block):
+        ref = refs[name]
+        block = block * scales[name] if name in scales else block
+        idx = (pl.ds(i * ROWS, ROWS),) + (slice(None),) * (len(ref.shape) - 1)
+        ref[idx] = block.astype(ref.dtype)
+
+    return emit
+
+
+def with_precision(kernel):
+    """Runs a kernel body under its `precision` keyword (see pallas_blocks.matmul_precision)."""
+
+    @functools.wraps(kernel)
+    def body(*refs, precision, **kw):
+        with blk.matmul_precision(precision):
+            kernel(*refs, **kw)
+
+    return body
+
+
+@with_precision
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref,
+                  w_ref, qp_ref, kd_ref, u_ref, ol_ref, d_ref, *, scale, dense):
+    x = ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
+    core = chunk_core(x, dense=dense)
+    chunk_forward(x, core, block_writer(dict(w=w_ref, qp=qp_ref, kd=kd_ref, u=u_ref, ol=ol_ref)))
+    d_ref[...] = carried_decay(x, core)
+
+
+def input_specs(chunk, key_dim, value_dim, group):
+    """BlockSpecs of chunked (q, k, v, g, beta, doc, doc_prev) for a grid (B * N, HV)."""
+    qk = pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h // group, 0))
+    per_head = lambda d: pl.BlockSpec((None, chunk, None, d), lambda n, h: (n, 0, h, 0))  # noqa: E731
+    beta = pl.BlockSpec((None, chunk, None), lambda n, h: (n, 0, h))
+    doc = pl.BlockSpec((None, chunk), lambda n, h: (n, 0))
+    return [qk, qk, per_head(value_dim), per_head(key_dim), beta, doc, doc]
+
+
+def chunk_tile(chunk, d):
+    """One chunk's tile of a [B * N, HV, C, D] array, grid (B * N, HV)."""
+    return pl.BlockSpec((None, None, chunk, d), lambda n, h: (n, h, 0, 0))
+
+
+def chunk_vector(d):
+    """One chunk's row of a [B * N, HV, D] array, grid (B * N, HV)."""
+    return pl.BlockSpec((None, None, d), lambda n, h: (n, h, 0))
+
+
+def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision):
+    """Per-chunk quantities. q, k: [BN, C, H, K]; v: [BN, C, HV, V]; g: [BN, C, HV, K]; beta: [BN, C, HV];
+    doc, doc_prev: [BN, C] int32. Returns w, qp, kd: [BN, HV, C, K]; u, ol: [BN, HV, C, V]; d: [BN, HV, K] (fp32).
+    """
+    chunks, chunk, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2:]
+    shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), _F32)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_intra_kernel, scale=scale, dense=dense, precision=precision),
+        grid=(chunks, value_heads),
+        in_specs=input_specs(chunk, key_dim, value_dim, value_heads // heads),
+        out_specs=[chunk_tile(chunk, key_dim)] * 3 + [chunk_tile(chunk, value_dim)] * 2 + [chunk_vector(key_dim)],
+        out_shape=[shape(key_dim)] * 3 + [shape(value_dim)] * 2 + [
+            jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)],
+        compiler_params=compiler_params(tuning.intra_warps),
+        interpret=interpret,
+        name="kda_intra_fwd",
+    )(q, k, v, g, beta, doc, doc_prev)
+
+
+def sequence_specs(num_chunks, key_dim, tile):
+    """Specs for the scans, grid (B, HV, V / tile): a whole sequence of [BN, HV, C, D] / [BN, HV, D] / [BN, C, HV, V]
+    arrays per program, indexed by chunk inside the kernel."""
+    keys = lambda chunk: pl.BlockSpec((num_chunks, None, chunk, key_dim), lambda b, h, t: (b, h, 0, 0))  # noqa: E731
+    values = lambda chunk: pl.BlockSpec((num_chunks, None, chunk, tile), lambda b, h, t: (b, h, 0, t))  # noqa: E731
+    vector = pl.BlockSpec((num_chunks, None, key_dim), lambda b, h, t: (b, h, 0))
+    states = pl.BlockSpec((num_chunks, None, key_dim, tile), lambda b, h, t: (b, h, 0, t))
+    time_major = lambda chunk: pl.BlockSpec((num_chunks, chunk, None, tile), lambda b, h, t: (b, 0, h, t))  # noqa
+    state = pl.BlockSpec((None, None, key_dim, tile), lambda b, h, t: (b, h, 0, t))
+    return keys, values, vector, states, time_major, state
+
+
+@with_precision
+def _scan_kernel(w_ref, qp_ref, kd_ref, u_ref, ol_ref, d_ref, s_init_ref, o_ref, s_out_ref, *chunk_state_ref):
+    """One (batch, value head, value tile): S <- D S + kd^T (u - w S), o = ol + qp S, chunk by chunk."""
+
+    def step(n, state):  # state: [K, Vt] fp32, the chunk's incoming state
+        if chunk_state_ref:
+            chunk_state_ref[0][n] = state
+        v_new = u_ref[n] - blk.mm(w_ref[n], state)
+        o_ref[n] = (ol_ref[n] + blk.mm(qp_ref[n], state)).astype(o_ref.dtype)
+        return d_ref[n][:, None] * state + blk.mm_tn(kd_ref[n], v_new)
+
+    s_out_ref[...] = lax.fori_loop(0, d_ref.shape[0], step, s_init_ref[...])
+
+
+def state_scan(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpret, precision, save_states):
+    """Inter-chunk recurrence. Arrays as intra_forward returns them; initial_state: [B, HV, K, V] fp32.
+
+    Returns o [BN, C, HV, V] in out_dtype, the final state [B, HV, K, V] and, if save_states, every chunk's incoming
+    state [BN, HV, K, V] fp32 (the backward's residual).
+    """
+    chunks, value_heads, chunk, key_dim = w.shape
+    value_dim = u.shape[-1]
+    batch = initial_state.shape[0]
+    tile = min(tuning.state_tile, value_dim)
+    keys, values, vector, states, time_major, state = sequence_specs(chunks // batch, key_dim, tile)
+    out_shape = [jax.ShapeDtypeStruct((chunks, chunk, value_heads, value_dim), out_dtype),
+                 jax.ShapeDtypeStruct(initial_state.shape, _F32)]
+    out_specs = [time_major(chunk), state]
+    if save_states:
+        out_shape.append(jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), _F32))
+        out_specs.append(states)
+    return pl.pallas_call(
+        functools.partial(_scan_kernel, precision=precision),
+        grid=(batch, value_heads, value_dim // tile),
+        in_specs=[keys(chunk)] * 3 + [values(chunk)] * 2 + [vector, state],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=compiler_params(tuning.state_warps, tuning.state_stages),
+        interpret=interpret,
+        name="kda_state_fwd",
+    )(w, qp, kd, u, ol, d, initial_state)
