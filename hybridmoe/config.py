@@ -9,6 +9,7 @@ the allowed range.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Sequence
 
@@ -128,7 +129,7 @@ class RouterConfig:
     name: str = "bias_sign"
     alpha: float = 1e-2  # softmax_topk_aux: auxiliary-loss coefficient
     gamma: float = 1e-3  # bias_sign: bias step
-    window: int = 1  # quantile / expert_threshold: statistics window in steps
+    window: int = 4  # quantile / expert_threshold: statistics window in steps
     rate: float = 1.0  # quantile: EMA blend of the new bias (1 = exact rule)
     stats: str = "exact"  # quantile: "exact" ring buffer or "histogram"
     bins: int = 256  # quantile histogram bins
@@ -340,17 +341,52 @@ class TrainConfig:
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")
 
+# Logical axis name -> mesh axes (DESIGN §3.5, §3.7). Flax semantics: rules are tried in order and a rule
+# applies only if its mesh axes are still free in that array; a name may appear twice as a fallback.
+# "batch"/"length" are the activation axes (tokens); the rest name parameter dimensions.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", "sequence"),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("latent", "fsdp"),
+    ("heads", "tensor"),
+    ("heads_x_dim", "tensor"),
+    ("mlp", "tensor"),
+    ("expert", "expert"),
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("head_dim", None),
+    ("conv", None),
+    ("norm", None),
+)
+
+
+def _check_rules(rules: Any) -> None:
+    ok_rule = lambda r: (isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str)
+                         and (r[1] is None or r[1] in MESH_AXES
+                              or (isinstance(r[1], (tuple, list))
+                                  and all(a in MESH_AXES for a in r[1]))))
+    if not isinstance(rules, (tuple, list)):
+        _fail("MeshConfig", "rules", rules, "a tuple of (logical name, mesh axes) pairs")
+    for rule in rules:
+        if not ok_rule(rule):
+            _fail("MeshConfig", "rules", rule,
+                  f"a pair (logical name, None | mesh axis | tuple of mesh axes) with mesh axes in "
+                  f"{MESH_AXES}")
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Named device mesh; one axis may be -1 for "all remaining devices"."""
+    """Named device mesh; one axis may be -1 for "all remaining devices"; `rules` map logical axes to it."""
 
     data: int = -1
     fsdp: int = 1
     expert: int = 1
     tensor: int = 1
     sequence: int = 1
+    rules: tuple = DEFAULT_RULES
 
     def __post_init__(self):
         sizes = self.sizes()
@@ -359,9 +395,29 @@ class MeshConfig:
                 _fail("MeshConfig", axis, size, "a positive integer or -1")
         if list(sizes.values()).count(-1) > 1:
             _fail("MeshConfig", "-1 axes", [a for a, s in sizes.items() if s == -1], "at most one")
+        _check_rules(self.rules)
+        # Frozen and hashable (it keys compiled-step caches): lists from gin become tuples.
+        object.__setattr__(self, "rules", tuple(
+            (name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in self.rules))
 
     def sizes(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    def resolve(self, num_devices: int) -> dict[str, int]:
+        """Axis sizes with the -1 axis filled in; their product must equal num_devices."""
+        sizes = self.sizes()
+        known = math.prod(s for s in sizes.values() if s != -1)
+        spelled = " × ".join(f"{a}={s}" for a, s in sizes.items())
+        for axis, size in sizes.items():
+            if size == -1:
+                if num_devices % known:
+                    _fail("MeshConfig", axis, -1, f"resolvable: {num_devices} devices are not a "
+                          f"multiple of the other axes' product {known} ({spelled})")
+                sizes[axis] = num_devices // known
+        if math.prod(sizes.values()) != num_devices:
+            _fail("MeshConfig", "sizes", spelled,
+                  f"axis sizes whose product equals the device count {num_devices}")
+        return sizes
 
 
 @gin.configurable
