@@ -80,7 +80,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     [B, T, HV] in (0, 1); initial_state: [B, HV, K, V] or None (zeros), it seeds the first document only;
     segment_ids: [B, T] int or None, the state restarts from zero wherever the id changes from the previous token.
     scale multiplies q (default K^-0.5). g_min promises g >= g_min and lets the diagonal blocks run as dense matmuls
-    (see kda_diagonal_path); a broken promise overflows, so pass None for an unbounded gate.
+    (see kda_diagonal_path); a broken promise overflows, so pass None for an unbounded gate. chunk_size: a power of
+    two in [8, 256]; T need not be a multiple of it. backend: "auto" or a key of BACKENDS ("reference" is the fp32
+    token loop, the oracle).
     Returns (o [B, T, HV, V] in v's dtype, final state [B, HV, K, V] fp32 if output_final_state else None).
     """
     run = _backend(backend)

@@ -5,7 +5,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-# Below this bound even the smallest dense sub-chunk (8 rows) overflows; a bound this tight is a modelling error.
+# The bounds a gate may promise. Below about -12.6 even 8-row dense blocks would overflow and the pairwise diagonal
+# runs (see tiling.kda_diagonal_path).
 G_MIN_RANGE = (-20.0, 0.0)
 
 

@@ -152,21 +152,30 @@ def chunk_backward(x: ChunkIn, core: Core, dy: ChunkGrads, emit, *, dense):
     for i in range(x.blocks):
         dbeta[i] = dbeta[i] + jnp.sum(dkb[i] * _k_base(x, core, i), axis=1) + sum(
             jnp.sum(dl[i, j] * core.akk[i, j], axis=1) for j in range(i + 1))
-    # g_last = the sum of every g of the chunk: its gradient reaches every row.
-    tail = carried_decay(x, core) * dy.dd + sum(
-        jnp.sum(x.k(i) * _kd_scale(x, core, i) * dy.dkd(i), axis=0) for i in range(x.blocks))
-    carry = tail[None, :]
+    # Two terms would cancel inside the reverse cumulative sum below and leave rounding noise that is large next to a
+    # small dg (strong decay): the diagonal q_r.k_r of Aqk does not depend on the decay at all, so it is taken out of
+    # the score gradients and added to dq, dk directly; and kd_r = k_r e^(sum of g after r) reaches dg as an
+    # exclusive prefix sum rather than as "+ every row, - its own row".
+    eye = jnp.eye(ROWS, dtype=bool)
+    kd_term = lambda i: x.k(i) * _kd_scale(x, core, i) * dy.dkd(i)  # noqa: E731
+    kd_prefix = [0.0]
+    for i in range(x.blocks - 1):
+        kd_prefix.append(kd_prefix[-1] + jnp.sum(kd_term(i), axis=0)[None, :])
+    carry = (carried_decay(x, core) * dy.dd)[None, :]  # e^g_last multiplies S0: its gradient reaches every row
     for j in reversed(range(x.blocks)):
+        diag = jnp.sum(jnp.where(eye, daqk[j, j], 0.0), axis=1)[:, None]
+        daqk[j, j] = jnp.where(eye, 0.0, daqk[j, j])
         dxq, dxk, dyk = _score_grads(x, core, daqk, dakk, j, dense=dense)
         q_j, k_j, b_j = x.q(j), x.k(j), x.beta(j)[:, None]
         reads, decay, dkb_j, dqp_j, dkd_j = x.reads(j), jnp.exp(core.gam[j]), dkb[j], dy.dqp(j), dy.dkd(j)
-        kd_scale = _kd_scale(x, core, j)
-        emit("dq", j, dxq + jnp.where(reads, decay, 0.0) * dqp_j)
-        emit("dk", j, dyk + dxk + jnp.where(reads, b_j * decay, 0.0) * dkb_j + kd_scale * dkd_j)
-        dgam = (q_j * dxq + k_j * (dxk - dyk) + jnp.where(reads, (b_j * k_j * dkb_j + q_j * dqp_j) * decay, 0.0)
-                - k_j * kd_scale * dkd_j)
+        emit("dq", j, dxq + diag * k_j + jnp.where(reads, decay, 0.0) * dqp_j)
+        emit("dk", j, dyk + dxk + diag * q_j + jnp.where(reads, b_j * decay, 0.0) * dkb_j
+             + _kd_scale(x, core, j) * dkd_j)
+        dgam = q_j * dxq + k_j * (dxk - dyk) + jnp.where(reads, (b_j * k_j * dkb_j + q_j * dqp_j) * decay, 0.0)
         total = jnp.sum(dgam, axis=0)[None, :]
-        emit("dg", j, carry + total - jnp.cumsum(dgam, axis=0) + dgam)  # transpose of the cumulative sum
+        kd_j = kd_term(j)
+        emit("dg", j, carry + total - jnp.cumsum(dgam, axis=0) + dgam  # transpose of the cumulative sum
+             + kd_prefix[j] + jnp.cumsum(kd_j, axis=0) - kd_j)
         carry = carry + total
         emit("dbeta", j, dbeta[j])
 
