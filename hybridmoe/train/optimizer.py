@@ -45,9 +45,15 @@ def _muon_dims(path, leaf):
     """Muon dimension numbers: matrices, and expert stacks [E, in, out] batched over experts."""
     if leaf.ndim == 2:
         return optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=1)
-    if leaf.ndim == 3 and "expert" in _path_names(path)[-1]:
+    if leaf.ndim == 3 and any(n.endswith("_moe") for n in _path_names(path)):  # [E, d_in, d_out]
         return optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
     return None
+
+
+def optimizer_labels(params):
+    """"muon" for matrices and expert stacks, "adamw" for everything Muon must not touch."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: "adamw" if _is_plain(p, x) or _muon_dims(p, x) is None else "muon", params)
 
 
 def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
@@ -60,8 +66,7 @@ def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
     if cfg.optimizer == "adamw":
         return optax.chain(clip, adamw)
 
-    labels = jax.tree_util.tree_map_with_path(
-        lambda p, x: "adamw" if _is_plain(p, x) or _muon_dims(p, x) is None else "muon", params)
+    labels = optimizer_labels(params)
     dims = jax.tree_util.tree_map_with_path(
         lambda p, x, label: _muon_dims(p, x) if label == "muon" else None, params, labels)
     muon = optax.contrib.muon(lr, beta=cfg.b1, weight_decay=cfg.weight_decay,

@@ -8,7 +8,7 @@ import numpy as np
 
 from hybridmoe import build_model
 from hybridmoe.config import TrainConfig
-from hybridmoe.train.optimizer import decay_mask, make_optimizer
+from hybridmoe.train.optimizer import decay_mask, make_optimizer, optimizer_labels
 from hybridmoe.train.step import init_train_state, model_flops_per_token, train_step
 from tests.model_utils import small_config
 
@@ -64,6 +64,12 @@ def test_muon_updates_matrices_and_leaves_the_rest_to_adamw():
     assert all(moved)
     inner = new_state.opt_state[1].inner_states
     assert set(inner) == {"adamw", "muon"}
+    # Expert stacks [E, d, width] and plain matrices go to Muon; embeddings, norms and gates do not.
+    labels = optimizer_labels(state.params)
+    by_name = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(labels)}
+    assert by_name["['layer_0_moe']['w_up']"] == "muon"
+    assert by_name["['embedding']"] == "adamw" and by_name["['head']['kernel']"] == "adamw"
+    assert by_name["['layer_0_kda']['a_log']"] == "adamw"
 
 
 def test_flops_per_token_counts_each_layer_type():
