@@ -26,6 +26,8 @@ from hybridmoe.train.loop import train
 GIN_FILES = flags.DEFINE_multi_string("gin_file", ["configs/tiny.gin"], "Gin config files.")
 GIN_PARAMS = flags.DEFINE_multi_string("gin_param", [], "Bindings shared by every point.")
 SWEEP = flags.DEFINE_multi_string("sweep", [], "'Class.field=[v1,v2,...]'; several flags make a grid.")
+POINT = flags.DEFINE_multi_string(
+    "point", [], "One explicit point, 'Class.a=1;Class.b=\"x\"'; added after the grid's points.")
 STEPS = flags.DEFINE_integer("steps", None, "Override TrainConfig.steps for every point.")
 WORKDIR = flags.DEFINE_string("workdir", "runs/sweep", "Where points, table and plot go.")
 
@@ -48,6 +50,19 @@ def grid(specs: Sequence[str]) -> list[dict[str, Any]]:
     axes = [parse_sweep(s) for s in specs]
     return [dict(zip([name for name, _ in axes], combo))
             for combo in itertools.product(*[values for _, values in axes])]
+
+
+def parse_point(spec: str) -> dict[str, Any]:
+    """'AttnResConfig.mode="block";AttnResConfig.block_size=4' -> {name: value}; values are literals."""
+    point = {}
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, sep, value = part.partition("=")
+        if not sep or not re.fullmatch(r"[\w./]+", name.strip()):
+            raise ValueError(f"--point parts must look like 'Class.field=value', got {part!r}")
+        point[name.strip()] = ast.literal_eval(value.strip())
+    if not point:
+        raise ValueError(f"--point {spec!r} names no binding")
+    return point
 
 
 def point_name(point: dict[str, Any]) -> str:
@@ -137,9 +152,12 @@ def plot_curves(rows: list[dict], root: str, metric: str = "loss") -> str:
     return path
 
 
-def run_sweep(gin_files, specs, root, shared_bindings=(), steps=None) -> list[dict]:
+def run_sweep(gin_files, specs, root, shared_bindings=(), steps=None, points=()) -> list[dict]:
     os.makedirs(root, exist_ok=True)
-    rows = [run_point(p, root, gin_files, shared_bindings, steps) for p in grid(specs)]
+    todo = (grid(specs) if specs else []) + [parse_point(p) for p in points]
+    if not todo:
+        raise ValueError("a sweep needs at least one --sweep or --point")
+    rows = [run_point(p, root, gin_files, shared_bindings, steps) for p in todo]
     write_table(rows, root)
     plot_curves(rows, root)
     return rows
@@ -147,7 +165,8 @@ def run_sweep(gin_files, specs, root, shared_bindings=(), steps=None) -> list[di
 
 def main(argv):
     del argv
-    rows = run_sweep(GIN_FILES.value, SWEEP.value, WORKDIR.value, GIN_PARAMS.value, STEPS.value)
+    rows = run_sweep(GIN_FILES.value, SWEEP.value, WORKDIR.value, GIN_PARAMS.value, STEPS.value,
+                     POINT.value)
     print(open(os.path.join(WORKDIR.value, "results.md"), encoding="utf-8").read())
     logging.info("%d points; table and curves in %s", len(rows), WORKDIR.value)
 

@@ -17,6 +17,10 @@ def test_parse_and_grid():
     assert sweep.point_name({"A.x": 1, "B.y": "u"}) == "x=1,y=u"
     with pytest.raises(ValueError, match="--sweep must look like"):
         sweep.parse_sweep("KDAConfig.g_min=-3")
+    assert sweep.parse_point('AttnResConfig.mode="block"; AttnResConfig.block_size=4') == {
+        "AttnResConfig.mode": "block", "AttnResConfig.block_size": 4}
+    with pytest.raises(ValueError, match="--point parts must look like"):
+        sweep.parse_point("mode block")
 
 
 def test_sweep_runs_points_skips_finished_and_writes_outputs(tmp_path, monkeypatch):
