@@ -343,17 +343,20 @@ MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")
 
 # Logical axis name -> mesh axes (DESIGN §3.5, §3.7). Flax semantics: rules are tried in order and a rule
 # applies only if its mesh axes are still free in that array; a name may appear twice as a fallback.
-# "batch"/"length" are the activation axes (tokens); the rest name parameter dimensions.
+# "batch"/"length" are the activation axes (tokens); the rest name parameter dimensions. Dense weights are
+# FSDP-sharded over fsdp × expert (the expert axis holds a data shard of the batch too); expert stacks
+# [E, d, F] take `expert` for E first, so their d falls back to fsdp alone.
 DEFAULT_RULES = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", "sequence"),
     ("vocab", "tensor"),
+    ("expert", "expert"),
+    ("embed", ("fsdp", "expert")),
     ("embed", "fsdp"),
     ("latent", "fsdp"),
     ("heads", "tensor"),
     ("heads_x_dim", "tensor"),
     ("mlp", "tensor"),
-    ("expert", "expert"),
     ("q_lora", None),
     ("kv_lora", None),
     ("head_dim", None),
@@ -430,9 +433,16 @@ class ExperimentConfig:
 
 
 def load_config(gin_files: Sequence[str], bindings: Sequence[str] = ()) -> ExperimentConfig:
-    """Parses gin files and bindings (in that order) and builds the experiment config.
+    """Parses gin files and bindings (in that order) and builds the experiment config."""
+    return load_config_and_text(gin_files, bindings)[0]
 
-    Gin's global state is cleared first, so repeated calls (notebooks, sweeps) don't leak.
+
+def load_config_and_text(gin_files: Sequence[str],
+                         bindings: Sequence[str] = ()) -> tuple[ExperimentConfig, str]:
+    """The experiment config and the full gin text it was built from.
+
+    Gin's global bindings are cleared before and after, even on error: gin-configurable classes
+    built later (by library code, tests, notebooks) never see a previous experiment's bindings.
     """
     gin.clear_config()
     paths = [os.path.abspath(p) for p in gin_files]
@@ -442,6 +452,8 @@ def load_config(gin_files: Sequence[str], bindings: Sequence[str] = ()) -> Exper
     os.chdir(root)
     try:
         gin.parse_config_files_and_bindings(paths, list(bindings))
+        config = ExperimentConfig()
+        return config, gin.config_str()
     finally:
         os.chdir(previous)
-    return ExperimentConfig()
+        gin.clear_config()

@@ -68,9 +68,19 @@ def test_load_tiny_config_with_binding():
     assert m.vocab_size == 259 and cfg.data.seq_len == 512
 
 
-def test_load_config_rejects_bad_binding():
+def test_load_config_rejects_bad_binding_and_leaves_no_bindings_behind():
     with pytest.raises(ValueError, match="KDAConfig.g_min must be in"):
         load_config(["configs/tiny.gin"], ["KDAConfig.g_min = 1.0"])
+    assert C.KDAConfig().g_min == -5.0  # the failed binding does not leak into later configs
+    load_config(["configs/tiny.gin"], ["KDAConfig.g_min = -4.0"])
+    assert C.KDAConfig().g_min == -5.0
+
+
+def test_config_text_round_trips(tmp_path):
+    config, text = C.load_config_and_text(["configs/tiny.gin"], ["KDAConfig.g_min = -4.0"])
+    saved = tmp_path / "config.gin"
+    saved.write_text(text)
+    assert load_config([str(saved)]) == config
 
 
 def test_router_options_only_for_chosen_router():

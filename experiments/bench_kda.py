@@ -1,0 +1,299 @@
+"""Times chunked KDA forward and forward+backward: the Pallas kernels, the chunked XLA version and
+flash-linear-attention (fla) side by side, each verified against the token-by-token reference before it is timed.
+
+  python -m experiments.bench_kda --out_dir=benchmarks/results
+
+JAX variants run first in this process; fla (PyTorch) runs afterwards in a child process so the two frameworks never
+hold the GPU at once. Rows go to kda_h200.json and a markdown table to kda_h200.md.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("shapes", ["1x8192x16x128", "1x32768x16x128", "4x8192x16x128", "1x131072x16x128"],
+                  "BxTxHxD shapes (K = V = D, HV = H).")
+flags.DEFINE_list("variants", ["pallas_bounded", "pallas_unbounded", "xla_bounded", "xla_unbounded",
+                               "fla_bounded", "fla_unbounded"], "Variants to time.")
+flags.DEFINE_integer("repeats", 30, "Timed repeats per measurement (median reported).")
+flags.DEFINE_integer("xla_repeats", 3, "Timed repeats for the (slow) xla variants.")
+flags.DEFINE_bool("verify", True, "Check each JAX variant against the reference before timing it.")
+flags.DEFINE_integer("verify_len", 1024, "Sequence length of the check against the token-by-token reference.")
+flags.DEFINE_integer("state_tile", 32, "Value columns per program of the Pallas state scans.")
+flags.DEFINE_integer("intra_warps", 4, "Warps of the Pallas per-chunk kernels.")
+flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_h200.json / .md are written.")
+flags.DEFINE_string("fla_worker", "", "Internal: run the fla timings for this job file and exit.")
+
+G_MIN = -5.0
+BANDWIDTH = 4.3e12  # measured device-to-device copy rate of the H200, bytes/s
+BARS = {"o": 0.005, "state": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02}
+
+
+def numpy_inputs(seed, batch, seq_len, heads, dim, bounded):
+    """fla's benchmark distributions: q ~ N(0, 1), k L2-normalised, v ~ N(0, 1), g = -5 sigmoid(N) (bounded) or
+    -softplus(N), beta = sigmoid(N). Float32 numpy; the caller casts q, k, v, beta to bf16."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, seq_len, heads, dim)
+    q = rng.standard_normal(shape, np.float32)
+    k = rng.standard_normal(shape, np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal(shape, np.float32)
+    raw = rng.standard_normal(shape, np.float32)
+    g = G_MIN / (1 + np.exp(-raw)) if bounded else -np.logaddexp(0, raw)
+    beta = 1 / (1 + np.exp(-rng.standard_normal(shape[:3], np.float32)))
+    return dict(q=q, k=k, v=v, g=g.astype(np.float32), beta=beta.astype(np.float32))
+
+
+def floor_ms(batch, seq_len, heads, dim):
+    """Memory floor of the forward: q, k, v bf16 and g fp32 read once, o bf16 written once."""
+    return batch * seq_len * heads * (3 * 2 * dim + 4 * dim + 2 * dim) / BANDWIDTH * 1e3
+
+
+def _median_ms(fn, inputs, repeats):
+    import jax
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*inputs[0]))
+    print(f"    first call (compile + run) {time.perf_counter() - start:.1f} s", flush=True)
+    for args in inputs:  # warm-up: touch every input set
+        jax.block_until_ready(fn(*args))
+    times = []
+    for i in range(repeats):
+        args = inputs[i % len(inputs)]
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _jax_fns(backend, bounded, tuning):
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.kda import api
+    from pallas_kernels.kda.pallas_op import kda_pallas
+    g_min = G_MIN if bounded else None
+
+    def forward(q, k, v, g, beta):
+        if backend == "pallas":  # the public op's pallas path, with this run's tuning
+            diagonal = api.kda_diagonal_path(g_min, 64)
+            s0 = jnp.zeros((q.shape[0], v.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+            run = api._whole_chunks(lambda *a, **kw: kda_pallas(*a, **kw, tuning=tuning))
+            return run(q, k, v, g, beta, s0, None, scale=q.shape[-1] ** -0.5, chunk_size=64, diagonal=diagonal)
+        return api.chunk_kda(q, k, v, g, beta, g_min=g_min, backend=backend, output_final_state=True)
+
+    def grads(q, k, v, g, beta, do):
+        (o, _), vjp = jax.vjp(forward, q, k, v, g, beta)
+        return vjp((do, jnp.zeros((q.shape[0], v.shape[2], q.shape[3], v.shape[3]), jnp.float32)))
+
+    return jax.jit(lambda *a: forward(*a)[0]), jax.jit(grads), forward
+
+
+def _device_inputs(np_inputs, seed):
+    import jax.numpy as jnp
+    bf = jnp.bfloat16
+    x = np_inputs
+    do = np.random.default_rng(seed + 1000).standard_normal(x["v"].shape, np.float32)
+    return [jnp.asarray(x["q"], bf), jnp.asarray(x["k"], bf), jnp.asarray(x["v"], bf), jnp.asarray(x["g"]),
+            jnp.asarray(x["beta"], bf)], jnp.asarray(do, bf)
+
+
+def reference_outputs(np_inputs, do):
+    """Token-by-token fp32 reference: o, final state and the gradients of <o, do> for the (bf16-rounded) inputs."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.kda import chunk_kda
+    args = [jnp.asarray(np.asarray(jnp.asarray(np_inputs[n], jnp.bfloat16 if n != "g" else jnp.float32),
+                                   np.float32)) for n in ("q", "k", "v", "g", "beta")]
+    f = lambda *a: chunk_kda(*a, backend="reference", output_final_state=True)  # noqa: E731
+    (o, state), vjp = jax.vjp(f, *args)
+    grads = vjp((jnp.asarray(do, jnp.float32), jnp.zeros_like(state)))
+    return dict(zip(("o", "state", "dq", "dk", "dv", "dg", "dbeta"), (o, state, *grads)))
+
+
+def error_ratio(ref, out):
+    """max over outputs of relative RMS error / its bar, and the per-output errors."""
+    from pallas_kernels.kda import relative_rms_error
+    errs = {n: relative_rms_error(ref[n], np.asarray(out[n], np.float32)) for n in ref if n in out}
+    return max(errs[n] / BARS[n] for n in errs), errs
+
+
+def _verify_jax(backend, bounded, tuning, heads, dim):
+    import jax.numpy as jnp
+    x = numpy_inputs(7, 1, FLAGS.verify_len, heads, dim, bounded)
+    args, do = _device_inputs(x, 7)
+    ref = reference_outputs(x, np.asarray(do, np.float32))
+    _, grads, forward = _jax_fns(backend, bounded, tuning)
+    o, state = forward(*args)
+    d = grads(*args, do)
+    out = dict(zip(("o", "state", "dq", "dk", "dv", "dg", "dbeta"), (o, state, *d)))
+    out = {n: jnp.asarray(a, jnp.float32) for n, a in out.items()}
+    return error_ratio(ref, out)
+
+
+def bench_jax(shape, variant, tuning):
+    import jax
+    backend, gate = variant.split("_")
+    bounded = gate == "bounded"
+    batch, seq_len, heads, dim = shape
+    ratio, errs = _verify_jax(backend, bounded, tuning, heads, dim) if FLAGS.verify else (float("nan"), {})
+    print(f"  verify {variant} T={FLAGS.verify_len}: max err/bar {ratio:.3f} {errs}", flush=True)
+    fwd, grads, _ = _jax_fns(backend, bounded, tuning)
+    sets = [_device_inputs(numpy_inputs(s, batch, seq_len, heads, dim, bounded), s) for s in range(3)]
+    repeats = FLAGS.xla_repeats if backend == "xla" else FLAGS.repeats
+    fwd_ms = _median_ms(fwd, [a for a, _ in sets], repeats)
+    fwdbwd_ms = _median_ms(grads, [(*a, do) for a, do in sets], repeats)
+    out = fwd(*sets[0][0])
+    del sets
+    return dict(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms, max_err_ratio=ratio, errors=errs), jax.device_get(out)
+
+
+def run_fla_child(jobs):
+    """Times fla in a child process (PyTorch only); returns its rows."""
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kda_fla_jobs.json")
+    with open(path, "w") as f:
+        json.dump(jobs, f)
+    cmd = [sys.executable, "-m", "experiments.bench_kda", f"--fla_worker={path}",
+           f"--repeats={FLAGS.repeats}", f"--verify_len={FLAGS.verify_len}"]
+    subprocess.run(cmd, check=True)
+    with open(path + ".out") as f:
+        return json.load(f)
+
+
+def _fla_tensors(x, do):
+    import torch
+    bf = torch.bfloat16
+    t = lambda a, dt: torch.tensor(a, device="cuda", dtype=dt).requires_grad_(True)  # noqa: E731
+    return ([t(x["q"], bf), t(x["k"], bf), t(x["v"], bf), t(x["g"], torch.float32), t(x["beta"], bf)],
+            torch.tensor(do, device="cuda", dtype=bf))
+
+
+def _fla_errors(chunk_kda, kw, ref_all, gate):
+    """fla's outputs and gradients at verify_len against the token-by-token reference computed by the parent."""
+    x = {n: ref_all[f"{gate}_in_{n}"] for n in ("q", "k", "v", "g", "beta")}
+    (q, k, v, g, beta), do = _fla_tensors(x, ref_all[f"{gate}_do"])
+    o, state = chunk_kda(q, k, v, g, beta, output_final_state=True, **kw)
+    o.backward(do)
+    out = dict(o=o, state=state, dq=q.grad, dk=k.grad, dv=v.grad, dg=g.grad, dbeta=beta.grad)
+    out = {n: a.detach().float().cpu().numpy() for n, a in out.items()}
+    return error_ratio({n: ref_all[f"{gate}_ref_{n}"] for n in BARS}, out)
+
+
+def _fla_times(chunk_kda, kw, shape, bounded):
+    from triton.testing import do_bench
+    x = numpy_inputs(0, *shape, bounded)
+    (q, k, v, g, beta), do = _fla_tensors(x, np.random.default_rng(1000).standard_normal(x["v"].shape, np.float32))
+
+    def fwdbwd():
+        o, _ = chunk_kda(q, k, v, g, beta, **kw)
+        o.backward(do)
+
+    fwd_ms = do_bench(lambda: chunk_kda(q, k, v, g, beta, **kw), warmup=25, rep=100, return_mode="median")
+    return fwd_ms, do_bench(fwdbwd, warmup=25, rep=100, return_mode="median")
+
+
+def fla_worker(path):
+    import fla
+    import torch
+    from fla.ops.kda import chunk_kda
+    with open(path) as f:
+        jobs = json.load(f)
+    ref_all = np.load(jobs["reference"])
+    rows = []
+    for job in jobs["runs"]:
+        batch, seq_len, heads, dim = job["shape"]
+        bounded = job["variant"] == "fla_bounded"
+        kw = dict(safe_gate=True, lower_bound=G_MIN) if bounded else {}
+        ratio, errs = _fla_errors(chunk_kda, kw, ref_all, "bounded" if bounded else "unbounded")
+        fwd_ms, fwdbwd_ms = _fla_times(chunk_kda, kw, job["shape"], bounded)
+        rows.append(dict(variant=job["variant"], B=batch, T=seq_len, H=heads, D=dim, fwd_ms=fwd_ms,
+                         fwdbwd_ms=fwdbwd_ms, max_err_ratio=ratio, errors=errs))
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    with open(path + ".out", "w") as f:
+        json.dump(dict(rows=rows, fla=fla.__version__, torch=torch.__version__), f)
+
+
+def save_fla_references(path, heads, dim):
+    """Inputs and token-by-token references at verify_len for the fla child, both gates."""
+    arrays = {}
+    for bounded in (True, False):
+        gate = "bounded" if bounded else "unbounded"
+        x = numpy_inputs(7, 1, FLAGS.verify_len, heads, dim, bounded)
+        do = np.random.default_rng(1007).standard_normal(x["v"].shape, np.float32)
+        ref = reference_outputs(x, do)
+        arrays.update({f"{gate}_in_{n}": a for n, a in x.items()})
+        arrays[f"{gate}_do"] = do
+        arrays.update({f"{gate}_ref_{n}": np.asarray(a) for n, a in ref.items()})
+    np.savez(path, **arrays)
+
+
+def write_tables(rows, versions, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    keys = ("variant", "B", "T", "H", "D", "fwd_ms", "fwdbwd_ms", "max_err_ratio")
+    with open(os.path.join(out_dir, "kda_h200.json"), "w") as f:
+        json.dump([{k: r[k] for k in keys} for r in rows], f, indent=1)
+    lines = [f"Chunked KDA on {versions['gpu']} (jax {versions['jax']}, jaxlib {versions['jaxlib']}, "
+             f"fla {versions.get('fla', '-')}, torch {versions.get('torch', '-')}); bf16 q/k/v/beta, fp32 g, "
+             "K = V = D, HV = H, chunk 64. Medians; max_err_ratio = max over o, state, dq, dk, dv, dg, dbeta of "
+             "(relative RMS error vs the fp32 token-by-token reference) / bar, at T = "
+             f"{FLAGS.verify_len}. Floor: forward bytes B*T*H*(3*2*D + 4*D + 2*D) at 4.3 TB/s; the backward moves 2.2x "
+             "that, so the fwd+bwd floor is 3.2x the forward's.",
+             "", "| variant | B | T | H | D | fwd ms | x floor | fwd+bwd ms | x floor | max err/bar |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        floor = floor_ms(r["B"], r["T"], r["H"], r["D"])
+        lines.append(f"| {r['variant']} | {r['B']} | {r['T']} | {r['H']} | {r['D']} | {r['fwd_ms']:.3f} | "
+                     f"{r['fwd_ms'] / floor:.1f} | {r['fwdbwd_ms']:.3f} | {r['fwdbwd_ms'] / (3.2 * floor):.1f} | "
+                     f"{r['max_err_ratio']:.3f} |")
+    with open(os.path.join(out_dir, "kda_h200.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main(argv):
+    del argv
+    if FLAGS.fla_worker:
+        return fla_worker(FLAGS.fla_worker)
+    import jax
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    tuning = Tuning(state_tile=FLAGS.state_tile, intra_warps=FLAGS.intra_warps)
+    shapes = [tuple(int(s) for s in shape.split("x")) for shape in FLAGS.shapes]
+    rows, fla_jobs = [], []
+    for shape in shapes:
+        outs = {}
+        for variant in FLAGS.variants:
+            if variant.startswith("fla"):
+                fla_jobs.append(dict(shape=shape, variant=variant))
+                continue
+            print(f"{variant} {shape}", flush=True)
+            result, outs[variant] = bench_jax(shape, variant, tuning)
+            rows.append(dict(variant=variant, B=shape[0], T=shape[1], H=shape[2], D=shape[3], **result))
+            print(f"  {rows[-1]}", flush=True)
+        for gate in ("bounded", "unbounded"):  # full-shape agreement of the kernels with the XLA path
+            if f"pallas_{gate}" in outs and f"xla_{gate}" in outs:
+                from pallas_kernels.kda import relative_rms_error
+                err = relative_rms_error(np.asarray(outs[f"xla_{gate}"], np.float32),
+                                         np.asarray(outs[f"pallas_{gate}"], np.float32))
+                print(f"  full-shape o, pallas vs xla ({gate}): relative RMS {err:.2e}", flush=True)
+    import jaxlib
+    versions = dict(gpu=jax.devices()[0].device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__)
+    if fla_jobs:
+        ref_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kda_fla_ref.npz")
+        save_fla_references(ref_path, shapes[0][2], shapes[0][3])
+        jax.clear_caches()
+        result = run_fla_child(dict(reference=ref_path, runs=fla_jobs))
+        rows += result["rows"]
+        versions.update(fla=result["fla"], torch=result["torch"])
+    order = {v: i for i, v in enumerate(FLAGS.variants)}
+    rows.sort(key=lambda r: (r["T"] * r["B"], r["B"], order[r["variant"]]))
+    write_tables(rows, versions, FLAGS.out_dir)
+
+
+if __name__ == "__main__":
+    app.run(main)
