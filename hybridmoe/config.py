@@ -437,6 +437,15 @@ def load_config(gin_files: Sequence[str], bindings: Sequence[str] = ()) -> Exper
     return load_config_and_text(gin_files, bindings)[0]
 
 
+def _config_root(path: str) -> str:
+    """Gin files include each other as 'configs/x.gin': the directory that holds configs/."""
+    parts = path.split(os.sep)
+    if "configs" in parts[:-1]:
+        last = len(parts) - 2 - parts[-2::-1].index("configs")
+        return os.sep.join(parts[:last]) or os.sep
+    return os.getcwd()
+
+
 def load_config_and_text(gin_files: Sequence[str],
                          bindings: Sequence[str] = ()) -> tuple[ExperimentConfig, str]:
     """The experiment config and the full gin text it was built from.
@@ -446,8 +455,7 @@ def load_config_and_text(gin_files: Sequence[str],
     """
     gin.clear_config()
     paths = [os.path.abspath(p) for p in gin_files]
-    # Gin files include each other as 'configs/x.gin': resolve from the directory above configs/.
-    root = os.path.dirname(os.path.dirname(paths[0])) if paths else os.getcwd()
+    root = _config_root(paths[0]) if paths else os.getcwd()
     previous = os.getcwd()
     os.chdir(root)
     try:

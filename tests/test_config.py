@@ -1,5 +1,7 @@
 """Config validation: every bad field names itself, its value and the allowed range."""
 
+import os
+
 import pytest
 
 from hybridmoe import config as C
@@ -87,3 +89,11 @@ def test_router_options_only_for_chosen_router():
     assert C.RouterConfig(name="quantile", window=4).options() == {
         "window": 4, "rate": 1.0, "stats": "exact", "bins": 256}
     assert C.RouterConfig(name="bias_sign").options() == {"gamma": 1e-3}
+
+
+def test_nested_config_includes_resolve_from_any_cwd(tmp_path, monkeypatch):
+    nested = os.path.abspath("configs/ablations/attn_res_16l.gin")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config([nested])
+    assert cfg.model.num_layers == 16 and cfg.model.d_model == 128
+    assert os.getcwd() == str(tmp_path)
