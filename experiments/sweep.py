@@ -71,7 +71,8 @@ def point_name(point: dict[str, Any]) -> str:
 
 
 def _binding(name: str, value: Any) -> str:
-    return f"{name} = {json.dumps(value) if isinstance(value, str) else value!r}"
+    literal = json.dumps(value) if isinstance(value, str) else repr(value)
+    return f"{name} = {literal}"
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
