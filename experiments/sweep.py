@@ -10,9 +10,7 @@ results.md and curves.png (validation loss against step, one line per point) to 
 
 from __future__ import annotations
 
-import ast
 import csv
-import itertools
 import json
 import os
 import re
@@ -21,6 +19,7 @@ from typing import Any, Sequence
 from absl import app, flags, logging
 
 from hybridmoe import load_config
+from hybridmoe.sweeps import binding_string, grid, parse_point, parse_sweep, point_name
 from hybridmoe.train.loop import train
 
 GIN_FILES = flags.DEFINE_multi_string("gin_file", ["configs/tiny.gin"], "Gin config files.")
@@ -33,46 +32,6 @@ WORKDIR = flags.DEFINE_string("workdir", "runs/sweep", "Where points, table and 
 
 ROUTER_STATS = ("max_vio", "min_load", "dropped_fraction", "load_entropy")
 RESULT_COLUMNS = ("point", "val_loss", "val_bits_per_byte", "tokens_per_s", *ROUTER_STATS)
-
-
-def parse_sweep(spec: str) -> tuple[str, list[Any]]:
-    """'KDAConfig.g_min=[-3,-5]' -> ('KDAConfig.g_min', [-3, -5]); values are Python literals."""
-    match = re.fullmatch(r"\s*([\w./]+)\s*=\s*(\[.*\])\s*", spec)
-    if not match:
-        raise ValueError(f"--sweep must look like 'Class.field=[v1,v2]', got {spec!r}")
-    values = ast.literal_eval(match.group(2))
-    if not values:
-        raise ValueError(f"--sweep {spec!r} has no values")
-    return match.group(1), list(values)
-
-
-def grid(specs: Sequence[str]) -> list[dict[str, Any]]:
-    axes = [parse_sweep(s) for s in specs]
-    return [dict(zip([name for name, _ in axes], combo))
-            for combo in itertools.product(*[values for _, values in axes])]
-
-
-def parse_point(spec: str) -> dict[str, Any]:
-    """'AttnResConfig.mode="block";AttnResConfig.block_size=4' -> {name: value}; values are literals."""
-    point = {}
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
-        name, sep, value = part.partition("=")
-        if not sep or not re.fullmatch(r"[\w./]+", name.strip()):
-            raise ValueError(f"--point parts must look like 'Class.field=value', got {part!r}")
-        point[name.strip()] = ast.literal_eval(value.strip())
-    if not point:
-        raise ValueError(f"--point {spec!r} names no binding")
-    return point
-
-
-def point_name(point: dict[str, Any]) -> str:
-    parts = [f"{name.split('.')[-1]}={value}" for name, value in point.items()]
-    return re.sub(r"[^\w=.,-]", "", ",".join(parts)) or "default"
-
-
-def _binding(name: str, value: Any) -> str:
-    literal = json.dumps(value) if isinstance(value, str) else repr(value)
-    return f"{name} = {literal}"
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -105,7 +64,7 @@ def run_point(point: dict[str, Any], root: str, gin_files, shared_bindings, step
         logging.info("Skipping finished point %s", name)
         with open(done, encoding="utf-8") as f:
             return json.load(f)
-    bindings = list(shared_bindings) + [_binding(k, v) for k, v in point.items()]
+    bindings = list(shared_bindings) + [binding_string(k, v) for k, v in point.items()]
     if steps is not None:
         bindings.append(f"TrainConfig.steps = {steps}")
     config = load_config(gin_files, bindings)

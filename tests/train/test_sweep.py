@@ -19,8 +19,8 @@ def test_parse_and_grid():
         sweep.parse_sweep("KDAConfig.g_min=-3")
     assert sweep.parse_point('AttnResConfig.mode="block"; AttnResConfig.block_size=4') == {
         "AttnResConfig.mode": "block", "AttnResConfig.block_size": 4}
-    assert sweep._binding("RouterConfig.name", "quantile") == 'RouterConfig.name = "quantile"'
-    assert sweep._binding("KDAConfig.g_min", -3.5) == "KDAConfig.g_min = -3.5"
+    assert sweep.binding_string("RouterConfig.name", "quantile") == 'RouterConfig.name = "quantile"'
+    assert sweep.binding_string("KDAConfig.g_min", -3.5) == "KDAConfig.g_min = -3.5"
     with pytest.raises(ValueError, match="--point parts must look like"):
         sweep.parse_point("mode block")
 

@@ -1,0 +1,60 @@
+"""Read-outs of trained models for ablations: AttnRes mixing weights per site, and their heat map."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridmoe.layers.attn_res import AttnResSite, _inv_rms
+
+
+def site_weights(model, variables, batches) -> dict[str, np.ndarray]:
+    """Mean softmax weight per source for every mixing site: {site name: [S]}."""
+    totals: dict[str, np.ndarray] = {}
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        if isinstance(module, AttnResSite) and context.method_name == "__call__" and len(args[0]) > 1:
+            params = nn.meta.unbox(module.variables["params"])
+            q = params["key_norm"].astype(jnp.float32) * params["query"].astype(jnp.float32)
+            logits = jnp.stack([jnp.dot(x.astype(jnp.float32), q) * _inv_rms(x.astype(jnp.float32), module.eps)
+                                for x in args[0]])
+            w = np.asarray(jax.nn.softmax(logits, axis=0).mean(axis=(1, 2)))
+            totals[module.name] = totals.get(module.name, 0) + w
+        return next_fun(*args, **kwargs)
+
+    for batch in batches:
+        with nn.intercept_methods(intercept):
+            model.apply(variables, jnp.asarray(batch["tokens"]), segment_ids=jnp.asarray(batch["segment_ids"]))
+    return {k: v / len(batches) for k, v in totals.items()}
+
+
+def _site_order(name: str) -> tuple[int, int]:
+    if name == "attn_res_final":
+        return (10 ** 6, 0)
+    _, _, layer, kind = name.split("_")
+    return (int(layer), 0 if kind == "attn" else 1)
+
+
+def plot_site_weights(results: dict[str, dict[str, np.ndarray]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 7), squeeze=False)
+    for ax, (point, sites) in zip(axes[0], results.items()):
+        names = sorted(sites, key=_site_order)
+        width = max(len(sites[n]) for n in names)
+        grid = np.full((len(names), width), np.nan)
+        for i, n in enumerate(names):
+            grid[i, :len(sites[n])] = sites[n]
+        im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+        ax.set_title(point, fontsize=9)
+        ax.set_xlabel("source (0 = embedding, last = current partial)")
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels([n.replace("attn_res_", "") for n in names], fontsize=6)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.6, label="mean softmax weight")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
