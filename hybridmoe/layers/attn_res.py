@@ -1,4 +1,4 @@
-"""Attention residuals: each sublayer reads a learned, input-dependent mix of earlier representations.
+"""Attention residuals: each sublayer reads a learned, input-dependent mix of earlier outputs.
 
 DESIGN §3.4. A mixing site owns a pseudo-query `w ∈ R^d` (zero-initialised, so a new site is a
 uniform average of its sources) and a key-norm scale (ones). For sources `v_s` ([B, T, d] each):
@@ -11,8 +11,8 @@ Keys are normalised; values are the raw sources. Modes (`AttnResConfig.mode`):
 - `full`: every sublayer output so far (plus the embedding) is a source: 2L + 1 at the end.
 - `block`: sources are the embedding, the finished block sums and the current partial sum. A block
   sum is the sum of its sublayers' outputs (the embedding is its own source, never added in). The
-  partial sum restarts every `block_size` layers, so the stream holds N + 2 tensors per token for
-  N = ceil(L / block_size) blocks, not one per sublayer.
+  partial sum restarts every `block_size` layers, so a site reads at most N + 1 tensors per token
+  for N = ceil(L / block_size) blocks, not one per sublayer.
 
 Final representation (`AttnResConfig.final`, given to the output norm): the default `"attn_res"`
 reads it with one more site (`attn_res_final`, its own pseudo-query) over all sources, including an
@@ -25,8 +25,9 @@ A site given a single source returns it unchanged and creates no parameters: a s
 source is 1 whatever the query, so its query would be a parameter without gradient. This happens
 at the first sublayer of the model (the embedding is the only source) in `block` and `full`.
 
-The per-site key scale is folded into the query, keys · w = rms_normalize(v) · (scale ⊙ w), so no
-scaled copy of the sources is ever formed.
+Cost: the per-site key scale is folded into the query, keys · w = rms_normalize(v) · (scale ⊙ w),
+and the normalisation into a per-token factor after the dot, so a site reads each source twice
+(logits, mix) and keeps no copy of it for the backward pass.
 """
 
 from __future__ import annotations
@@ -39,24 +40,40 @@ import jax
 import jax.numpy as jnp
 
 from hybridmoe.config import AttnResConfig
-from hybridmoe.layers.common import param_with_axes, rms_normalize
+from hybridmoe.layers.common import param_with_axes
 
 
-def attn_res_mix(sources: jax.Array, query: jax.Array, key_norm_scale: jax.Array,
-                 eps: float = 1e-6) -> jax.Array:
+def attn_res_mix(sources: jax.Array | Sequence[jax.Array], query: jax.Array,
+                 key_norm_scale: jax.Array, eps: float = 1e-6) -> jax.Array:
     """Softmax-over-depth mix of sources, keyed by their RMS-normalised values.
 
-    sources [S, B, T, d], query [d], key_norm_scale [d] -> [B, T, d] in sources.dtype.
+    sources [S, B, T, d] (or a sequence of S arrays [B, T, d]), query [d], key_norm_scale [d]
+    -> [B, T, d] in the sources' dtype.
     logits_s = (RMSNorm(sources_s) ⊙ scale) · query (no 1/√d); softmax over S in fp32;
     output = Σ_s softmax_s · sources_s (the raw sources, not the normalised keys).
     """
-    chex.assert_rank(sources, 4)
-    chex.assert_shape([query, key_norm_scale], (sources.shape[-1],))
+    dtype = sources[0].dtype
+    xs = [x.astype(jnp.float32) for x in sources]  # S × [B, T, d]
+    chex.assert_rank(xs, 3)
+    chex.assert_equal_shape(xs)
+    chex.assert_shape([query, key_norm_scale], (xs[0].shape[-1],))
     q = key_norm_scale.astype(jnp.float32) * query.astype(jnp.float32)  # [d]
-    logits = jnp.sum(rms_normalize(sources, eps) * q, axis=-1)  # [S, B, T], fp32
+    # rms_normalize(x) · q = (x · q) / rms(x): the per-token factor goes on after the dot, so no
+    # normalised copy of a source is formed. Sources stay separate arrays, never stacked: a
+    # stacked copy per site would be kept for the backward pass (O(sites × sources) memory).
+    # HIGHEST: full fp32 logits on GPUs too, where fp32 dots default to TF32.
+    logits = jnp.stack([jnp.dot(x, q, precision=jax.lax.Precision.HIGHEST) * _inv_rms(x, eps)
+                        for x in xs])  # [S, B, T]
     weights = jax.nn.softmax(logits, axis=0)  # [S, B, T]
-    out = jnp.sum(weights[..., None] * sources.astype(jnp.float32), axis=0)  # [B, T, d]
-    return out.astype(sources.dtype)
+    out = weights[0][..., None] * xs[0]
+    for w, x in zip(weights[1:], xs[1:]):
+        out = out + w[..., None] * x
+    return out.astype(dtype)
+
+
+def _inv_rms(x: jax.Array, eps: float) -> jax.Array:
+    """x [..., d] fp32 -> 1 / RMS(x) [...], the factor `rms_normalize` applies."""
+    return jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)
 
 
 class AttnResSite(nn.Module):
@@ -78,7 +95,7 @@ class AttnResSite(nn.Module):
         d = sources[0].shape[-1]
         query = param_with_axes(self, "query", nn.initializers.zeros, (d,), ("embed",))
         key_norm = param_with_axes(self, "key_norm", nn.initializers.ones, (d,), ("norm",))
-        return attn_res_mix(jnp.stack(sources), query, key_norm, self.eps)
+        return attn_res_mix(sources, query, key_norm, self.eps)
 
 
 Site = Callable[[Sequence[jax.Array]], jax.Array]  # an AttnResSite, or any stand-in in tests
@@ -107,7 +124,8 @@ class ResidualStream:
 
     def _check_site(self, site: Site | None, where: str) -> None:
         if self.config.mode == "none" and site is not None:
-            raise ValueError(f"ResidualStream.{where}: AttnResConfig.mode='none' takes no site, got {site!r}")
+            raise ValueError(f"ResidualStream.{where}: AttnResConfig.mode='none' takes no site, "
+                             f"got {site!r}")
         if self.config.mode != "none" and site is None:
             raise ValueError(f"ResidualStream.{where}: AttnResConfig.mode={self.config.mode!r} "
                              "needs an AttnResSite, got None")
@@ -142,12 +160,10 @@ class ResidualStream:
 
         With final="stream" the site (if any) is not called, so it creates no parameters.
         """
-        if self.config.mode == "none" or self.config.final == "stream":
-            if self.config.mode == "none":
-                self._check_site(site, "final")
+        if self.config.mode != "none" and self.config.final == "stream":
             return self._sum
         self._check_site(site, "final")
-        return site(self._sources())
+        return self._sum if self.config.mode == "none" else site(self._sources())
 
     @property
     def num_sources(self) -> int:

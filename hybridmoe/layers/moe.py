@@ -8,10 +8,18 @@ Data flow for x [B, T, d]:
 
 The router state (biases, statistics windows) lives in the "router" variable collection, never in params:
 `apply(..., mutable=["router"])` returns the state for the next batch.
+
+Under a mesh (`jax.sharding.use_abstract_mesh` + `nn.logical_axis_rules`, as the sharded train step sets
+them), route -> dispatch -> experts -> combine run inside one shard_map: each shard routes its own tokens,
+router statistics are summed over the token shards, and the expert buffers travel by all_to_all over the
+`expert` axis (hybridmoe.sharding.ExpertParallel). Dropless dispatch under expert parallelism is the
+capacity path with full capacity (C = the shard's token count): `jax.lax.ragged_all_to_all` is not
+implemented by XLA:CPU in jax 0.11.2, so a ragged exchange could not be tested here.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -21,8 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from hybridmoe.config import MoEConfig, RouterConfig
+from hybridmoe import sharding
 from hybridmoe.layers.common import Dense, RMSNorm, fan_in_init, param_with_axes
-from hybridmoe.routing import make_router
+from hybridmoe.routing import Router, make_router
+from pallas_kernels import moe as grouped_gemm
 
 SITU_BETA_GATE, SITU_BETA_UP = 4.0, 25.0
 
@@ -74,17 +84,25 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return min(max(math.ceil(capacity_factor * num_tokens * top_k / num_experts), 1), num_tokens)
 
 
-def _apply_experts(x_buf: jax.Array, w: ExpertWeights, activation: str) -> jax.Array:
-    """x_buf: [E, C, d] -> [E, C, d], every expert on its own buffer (batched einsums)."""
-    dt = x_buf.dtype
+def _apply_experts(x_buf: jax.Array, w: ExpertWeights, activation: str,
+                   parallel: sharding.ExpertParallel | None = None) -> jax.Array:
+    """x_buf: [E, C, d] -> [E, C, d], every expert on its own buffer (batched einsums).
+
+    With `parallel` (inside shard_map), w holds this shard's E/P experts and F/tp columns: the buffers go
+    to their experts' shards and back by all_to_all, and the partial down-projections are summed.
+    """
+    dt, num_experts = x_buf.dtype, x_buf.shape[0]
+    if parallel is not None:
+        x_buf = parallel.to_experts(x_buf, w.w_gate.shape[0])
     g = jnp.einsum("ecd,edf->ecf", x_buf, w.w_gate.astype(dt))
     u = jnp.einsum("ecd,edf->ecf", x_buf, w.w_up.astype(dt))
-    return jnp.einsum("ecf,efd->ecd", glu(g, u, activation), w.w_down.astype(dt))
+    y = jnp.einsum("ecf,efd->ecd", glu(g, u, activation), w.w_down.astype(dt))
+    return y if parallel is None else parallel.from_experts(y, num_experts)
 
 
 def dispatch_capacity(x: jax.Array, expert_ids: jax.Array, combine: jax.Array, mask: jax.Array,
-                      experts: ExpertWeights, *, activation: str,
-                      capacity: int | None) -> tuple[jax.Array, jax.Array]:
+                      experts: ExpertWeights, *, activation: str, capacity: int | None,
+                      parallel: sharding.ExpertParallel | None = None) -> tuple[jax.Array, jax.Array]:
     """Sort by expert -> buffers [E, C, d] -> batched experts -> unsort and combine.
 
     x: [N, d] tokens in position order; expert_ids, combine, mask: [N, k]; capacity: C slots per expert.
@@ -96,6 +114,8 @@ def dispatch_capacity(x: jax.Array, expert_ids: jax.Array, combine: jax.Array, m
     """
     n, k = expert_ids.shape
     num_experts, d = experts.w_gate.shape[0], x.shape[-1]
+    if parallel is not None:  # w holds this shard's experts; buffers cover all of them
+        num_experts *= parallel.size(parallel.expert_axes)
     c = capacity
     flat = jnp.where(mask, expert_ids, num_experts).reshape(-1)  # inactive slots -> sentinel E, sorted last
     order = jnp.argsort(flat, stable=True)  # [N·k]
@@ -109,7 +129,7 @@ def dispatch_capacity(x: jax.Array, expert_ids: jax.Array, combine: jax.Array, m
     token_of_row = jnp.full(num_experts * c, n, jnp.int32).at[row].set(
         jnp.arange(n * k, dtype=jnp.int32) // k, mode="drop")  # n = empty slot
     x_buf = jnp.take(x, token_of_row, axis=0, mode="fill", fill_value=0).reshape(num_experts, c, d)
-    y_buf = _apply_experts(x_buf, experts, activation).reshape(num_experts * c, d)
+    y_buf = _apply_experts(x_buf, experts, activation, parallel).reshape(num_experts * c, d)
     y_assign = jnp.take(y_buf, row, axis=0, mode="fill", fill_value=0).reshape(n, k, d)
     y = jnp.einsum("nkd,nk->nd", y_assign.astype(jnp.float32), combine.astype(jnp.float32))
     dropped = jnp.sum(mask, dtype=jnp.int32) - jnp.sum(keep, dtype=jnp.int32)
@@ -117,17 +137,62 @@ def dispatch_capacity(x: jax.Array, expert_ids: jax.Array, combine: jax.Array, m
 
 
 def dispatch_dropless(x: jax.Array, expert_ids: jax.Array, combine: jax.Array, mask: jax.Array,
-                      experts: ExpertWeights, *, activation: str,
-                      capacity: int | None) -> tuple[jax.Array, jax.Array]:
+                      experts: ExpertWeights, *, activation: str, capacity: int | None,
+                      parallel: sharding.ExpertParallel | None = None) -> tuple[jax.Array, jax.Array]:
     """Nothing dropped. CPU stand-in: the capacity path with C = N; the GPU grouped-GEMM path replaces it."""
     if capacity is not None:
         raise ValueError(f"dispatch_dropless takes capacity=None, got {capacity!r}")
     return dispatch_capacity(x, expert_ids, combine, mask, experts, activation=activation,
-                             capacity=x.shape[0])
+                             capacity=x.shape[0], parallel=parallel)
+
+
+def dispatch_grouped(x: jax.Array, expert_ids: jax.Array, combine: jax.Array, mask: jax.Array,
+                     experts: ExpertWeights, *, activation: str, capacity: int | None,
+                     parallel: sharding.ExpertParallel | None = None,
+                     grouped_config: grouped_gemm.GroupedMatmulConfig | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Dropless: sort assignments by expert -> three grouped GEMMs over the ragged groups -> unsort, combine.
+
+    The grouped GEMM is pallas_kernels.moe.grouped_matmul (Mosaic GPU kernels on Hopper, lax.ragged_dot
+    elsewhere). Inactive slots are sorted after every expert's rows, where the grouped GEMM yields zeros.
+    Under expert parallelism this is dispatch_dropless (a ragged all_to_all is untested here).
+    """
+    if capacity is not None:
+        raise ValueError(f"dispatch_grouped takes capacity=None, got {capacity!r}")
+    if parallel is not None:
+        return dispatch_dropless(x, expert_ids, combine, mask, experts, activation=activation,
+                                 capacity=None, parallel=parallel)
+    n, k = expert_ids.shape
+    num_experts, dt = experts.w_gate.shape[0], x.dtype
+    flat = jnp.where(mask, expert_ids, num_experts).reshape(-1)  # inactive slots -> sentinel E, sorted last
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted row -> assignment token·k + slot
+    inverse = jnp.zeros(n * k, jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
+    group_sizes = jnp.zeros(num_experts + 1, jnp.int32).at[flat].add(1)[:num_experts]
+    mm = functools.partial(grouped_gemm.grouped_matmul, group_sizes=group_sizes, config=grouped_config)
+    x_sorted = grouped_gemm.expand_sorted(x, order // k, inverse)
+    h = glu(mm(x_sorted, experts.w_gate.astype(dt)), mm(x_sorted, experts.w_up.astype(dt)), activation)
+    y_assign = grouped_gemm.permute_rows(mm(h, experts.w_down.astype(dt)), inverse, order).reshape(n, k, -1)
+    w = jnp.where(mask, combine, 0).astype(jnp.float32)
+    y = jnp.einsum("nkd,nk->nd", y_assign.astype(jnp.float32), w)
+    return y.astype(dt), jnp.zeros((), jnp.int32)
+
+
+def dispatch_dropless_auto(x: jax.Array, expert_ids: jax.Array, combine: jax.Array, mask: jax.Array,
+                           experts: ExpertWeights, *, activation: str, capacity: int | None,
+                           parallel: sharding.ExpertParallel | None = None) -> tuple[jax.Array, jax.Array]:
+    """DISPATCH["dropless"]: dispatch_grouped where the Mosaic GPU grouped GEMM runs (Hopper, bf16/f16,
+    tile-aligned widths, no expert parallelism), else dispatch_dropless."""
+    d_in, width = experts.w_gate.shape[1:]
+    if parallel is None and grouped_gemm.mosaic_supported(x.dtype, d_in, width) \
+            and grouped_gemm.mosaic_supported(x.dtype, width, d_in):
+        return dispatch_grouped(x, expert_ids, combine, mask, experts, activation=activation,
+                                capacity=capacity)
+    return dispatch_dropless(x, expert_ids, combine, mask, experts, activation=activation,
+                             capacity=capacity, parallel=parallel)
 
 
 DISPATCH: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
-    "capacity": dispatch_capacity, "dropless": dispatch_dropless}
+    "capacity": dispatch_capacity, "dropless": dispatch_dropless_auto}
 
 
 def combine_weights(weights: jax.Array, mask: jax.Array, routed_scaling: float) -> jax.Array:
@@ -161,21 +226,15 @@ class MoE(nn.Module):
             make("w_up", (e, width_in, f), ("expert", axis_in, "mlp"), width_in),
             make("w_down", (e, f, width_in), ("expert", "mlp", axis_in), f))
 
-    def _route(self, x: jax.Array):
-        """x: [N, d] -> (RouterOutput, combine weights [N, k'])."""
-        cfg, n = self.config, x.shape[0]
-        router = make_router(self.router.name, cfg.num_experts, cfg.top_k, **self.router.options())
-        state = self.variable("router", "state", router.init_state, num_tokens=n)
-        w_router = param_with_axes(self, "w_router", fan_in_init(x.shape[-1]),
-                                   (x.shape[-1], cfg.num_experts), ("embed", "expert"), jnp.float32)
-        logits = jnp.dot(x.astype(jnp.float32), w_router)
-        scores = jax.nn.sigmoid(logits) if cfg.score_fn == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-        out = router.route(scores, state.value)
-        # Init leaves the fresh state; a mutable apply writes the state for the NEXT batch only.
-        if self.is_mutable_collection("router") and not self.is_initializing():
-            state.value = router.update(state.value, jax.lax.stop_gradient(scores),
-                                        jax.tree.map(jax.lax.stop_gradient, out))
-        return out, combine_weights(out.weights, out.mask, cfg.routed_scaling)
+    def _router(self, parallel: sharding.ExpertParallel | None) -> Router:
+        cfg, opts = self.config, self.router.options()
+        axes = None if parallel is None else parallel.router_axes
+        if axes is not None and self.router.name in ("quantile", "expert_threshold") \
+                and opts.get("stats", "exact") == "exact":
+            raise ValueError(f"RouterConfig.stats='exact' keeps each shard's own statistics window: with "
+                             f"tokens split over mesh axes {axes}, router {self.router.name!r} needs "
+                             f"RouterConfig.stats='histogram' (histograms are summed over the shards)")
+        return make_router(self.router.name, cfg.num_experts, cfg.top_k, **opts, axis_name=axes)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
@@ -184,26 +243,60 @@ class MoE(nn.Module):
         chex.assert_axis_dimension(x, 2, self.d_model)
         b, t, d = x.shape
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        # Time-major flattening: token order = position order, so capacity dropping stays causal
-        # across the whole batch (a token's slot never depends on any row's later positions).
-        tokens = x.swapaxes(0, 1).reshape(t * b, d).astype(self.dtype)
-        out, combine = self._route(tokens)
-
-        h = tokens
+        x = x.astype(self.dtype)
+        parallel = None if self.is_initializing() else sharding.expert_parallel(
+            cfg.num_experts, cfg.expert_width)
+        router = self._router(parallel)
+        state = self.variable("router", "state", router.init_state, num_tokens=b * t)
+        w_router = param_with_axes(self, "w_router", fan_in_init(d), (d, cfg.num_experts),
+                                   ("embed", "expert"), jnp.float32)
+        h = x
         if cfg.latent_dim:
             h = Dense(cfg.latent_dim, ("embed", "latent"), name="latent_down", **kw)(h)
-        capacity = (expert_capacity(t * b, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
-                    if cfg.dispatch == "capacity" else None)
-        y, dropped = DISPATCH[cfg.dispatch](h, out.expert_ids, combine, out.mask,
-                                            self._expert_weights(h.shape[-1]),
-                                            activation=cfg.activation, capacity=capacity)
+        experts = self._expert_weights(h.shape[-1])
+        # Init leaves the fresh state; a mutable apply writes the state for the NEXT batch only.
+        update = self.is_mutable_collection("router") and not self.is_initializing()
+        fn = functools.partial(routed_experts, config=cfg, router=router, update=update,
+                               parallel=parallel)
+        if parallel is not None:
+            fn = parallel.shard(fn)
+        y, new_state, stats, aux_loss = fn(x, h, w_router, tuple(experts), state.value)
+        if update:
+            state.value = new_state
         if cfg.latent_dim:
             y = RMSNorm(self.norm_eps, name="latent_norm", **kw)(y)
             y = Dense(d, ("latent", "embed"), name="latent_up", **kw)(y)
         if cfg.num_shared_experts:
             y = y + DenseFFN(cfg.num_shared_experts * cfg.expert_width, d, cfg.activation,
-                             name="shared", **kw)(tokens)
+                             name="shared", **kw)(x)
+        return y, {"router_stats": stats, "aux_loss": aux_loss}
 
-        active = jnp.maximum(jnp.sum(out.mask), 1).astype(jnp.float32)
-        stats = {**out.stats, "dropped_fraction": jax.lax.stop_gradient(dropped / active)}
-        return y.reshape(t, b, d).swapaxes(0, 1), {"router_stats": stats, "aux_loss": out.aux_loss}
+
+def routed_experts(x: jax.Array, h: jax.Array, w_router: jax.Array, experts: tuple, state: Any, *,
+                   config: MoEConfig, router: Router, update: bool,
+                   parallel: sharding.ExpertParallel | None = None):
+    """Route, dispatch, run the routed experts and combine, on one shard's tokens (all, without `parallel`).
+
+    x: [B, T, d] router input; h: [B, T, d_in] expert input (x or its latent projection); experts: the
+    (w_gate, w_up, w_down) arrays. -> (y [B, T, d_in], router state for the next batch, stats, aux_loss).
+    Tokens are flattened time-major, so token order = position order and capacity dropping stays causal
+    across the whole batch (a token's slot never depends on any row's later positions).
+    """
+    cfg = config
+    b, t, _ = x.shape
+    flat = lambda a: a.swapaxes(0, 1).reshape(t * b, a.shape[-1])
+    logits = jnp.dot(flat(x).astype(jnp.float32), w_router)
+    scores = jax.nn.sigmoid(logits) if cfg.score_fn == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    out = router.route(scores, state)
+    if update:
+        state = router.update(state, jax.lax.stop_gradient(scores),
+                              jax.tree.map(jax.lax.stop_gradient, out))
+    combine = combine_weights(out.weights, out.mask, cfg.routed_scaling)
+    capacity = (expert_capacity(t * b, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+                if cfg.dispatch == "capacity" else None)
+    y, dropped = DISPATCH[cfg.dispatch](flat(h), out.expert_ids, combine, out.mask, ExpertWeights(*experts),
+                                        activation=cfg.activation, capacity=capacity, parallel=parallel)
+    total = (lambda v: v) if parallel is None else parallel.psum_tokens
+    active = jnp.maximum(total(jnp.sum(out.mask, dtype=jnp.int32)), 1).astype(jnp.float32)
+    stats = {**out.stats, "dropped_fraction": jax.lax.stop_gradient(total(dropped) / active)}
+    return y.reshape(t, b, -1).swapaxes(0, 1), state, stats, out.aux_loss

@@ -2,6 +2,10 @@
 
 `train(config, workdir)` resumes from the newest checkpoint in `workdir` if there is one.
 SIGINT/SIGTERM finish the current step, save a checkpoint and return.
+
+The step runs over the mesh of `config.mesh` (all devices of all processes; one device is a mesh of size
+1). Each process reads its own share of the rows (DataConfig.batch_size rows per process per step) and
+the loop assembles them into global arrays; process 0 writes metrics and shows progress.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import numpy as np
 from absl import logging
 
 from hybridmoe import data as data_lib
-from hybridmoe.config import ExperimentConfig, TrainConfig
+from hybridmoe import sharding
+from hybridmoe.config import ExperimentConfig, MeshConfig, TrainConfig
 from hybridmoe.model import build_model
 from hybridmoe.train import metrics as metrics_lib
 from hybridmoe.train.checkpoint import Checkpointer, abstract_like
 from hybridmoe.train.optimizer import make_optimizer
-from hybridmoe.train.step import init_train_state, jit_eval_step, jit_train_step, model_flops_per_token
+from hybridmoe.train.step import (init_train_state, jit_eval_step, jit_init_state, jit_train_step,
+                                  model_flops_per_token)
 
 
 class NonFiniteError(RuntimeError):
@@ -89,15 +95,38 @@ def _step_relevant(tcfg: TrainConfig) -> TrainConfig:
         "log_every", "peak_tflops", "stages")})
 
 
+class _NoWriter:
+    """Metrics sink of processes other than 0 (process 0 writes the files)."""
+
+    def write(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
 @functools.lru_cache(maxsize=4)
-def _compiled_functions(model_cfg, train_cfg, micro_batch_shape):
-    """Model, optimizer and jitted step functions, shared by runs of one config in a process
+def _compiled_functions(model_cfg, train_cfg, micro_batch_shape, mesh_cfg: MeshConfig):
+    """Shardings and jitted init/step/eval functions, shared by runs of one config in a process
     (a resumed run, sweep points that differ only in data or steps) so they compile once."""
     model = build_model(model_cfg)
-    example = jnp.zeros(micro_batch_shape, jnp.int32)
+    example = jax.ShapeDtypeStruct(micro_batch_shape, jnp.int32)
     params_shape = jax.eval_shape(model.init, jax.random.key(0), example)["params"]
     optimizer = make_optimizer(train_cfg, params_shape)
-    return model, optimizer, jit_train_step(model, optimizer, train_cfg), jit_eval_step(model)
+    mesh = sharding.make_mesh(mesh_cfg)
+    sharding.check_batch(micro_batch_shape, mesh_cfg.rules, sharding.axis_sizes(mesh),
+                         "DataConfig.batch_size × processes / TrainConfig.grad_accum, DataConfig.seq_len")
+    abstract = jax.eval_shape(
+        lambda tokens: init_train_state(model, optimizer, tokens, train_cfg.seed), example)
+    shardings = sharding.step_shardings(abstract, params_shape, mesh, mesh_cfg.rules)
+    return (shardings, jit_init_state(model, optimizer, micro_batch_shape, train_cfg.seed, shardings),
+            jit_train_step(model, optimizer, train_cfg, shardings), jit_eval_step(model, shardings))
+
+
+def _global_batch(batch: dict[str, np.ndarray], batch_sharding) -> dict[str, jax.Array]:
+    """This process's rows -> global arrays (rows of process i follow those of process i-1)."""
+    return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
+            for k, v in batch.items()}
 
 
 def train(config: ExperimentConfig, workdir: str, *, progress: bool = True,
@@ -105,12 +134,14 @@ def train(config: ExperimentConfig, workdir: str, *, progress: bool = True,
     """Trains to config.train.steps (or until `stop_after` steps in this call, for tests)."""
     tcfg, dcfg = config.train, config.data
     os.makedirs(workdir, exist_ok=True)
-    example = jnp.zeros((dcfg.batch_size // tcfg.grad_accum, dcfg.seq_len), jnp.int32)
-    model, optimizer, step_fn, eval_fn = _compiled_functions(config.model, _step_relevant(tcfg),
-                                                             example.shape)
-    state = init_train_state(model, optimizer, example, tcfg.seed)
-    train_iter = data_lib.make_train_iterator(dcfg)
-    eval_batches = data_lib.make_eval_batches(dcfg, tcfg.eval_batches)
+    procs, rank = jax.process_count(), jax.process_index()
+    micro_shape = (dcfg.batch_size * procs // tcfg.grad_accum, dcfg.seq_len)
+    shardings, init_fn, step_fn, eval_fn = _compiled_functions(
+        config.model, _step_relevant(tcfg), micro_shape, config.mesh)
+    state = init_fn()
+    train_iter = data_lib.make_train_iterator(dcfg, shard_index=rank, shard_count=procs)
+    eval_batches = [_global_batch(b, shardings.batch) for b in data_lib.make_eval_batches(
+        dcfg, tcfg.eval_batches, shard_index=rank, shard_count=procs)]
     bytes_per_token = data_lib.bytes_per_token(dcfg)
 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), tcfg.keep_checkpoints)
@@ -123,17 +154,17 @@ def train(config: ExperimentConfig, workdir: str, *, progress: bool = True,
     flops = model_flops_per_token(config.model, dcfg.seq_len)
     peak = tcfg.peak_tflops * 1e12 or metrics_lib.measured_peak_flops(
         jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32)
-    writer = metrics_lib.MetricsWriter(workdir)
-    tokens_per_step = dcfg.batch_size * dcfg.seq_len
+    writer = metrics_lib.MetricsWriter(workdir) if rank == 0 else _NoWriter()
+    tokens_per_step = dcfg.batch_size * procs * dcfg.seq_len
     step = int(state.step)
     end = tcfg.steps if stop_after is None else min(tcfg.steps, step + stop_after)
-    bar = _progress(tcfg.steps, step, progress)
+    bar = _progress(tcfg.steps, step, progress and rank == 0)
     meter, last_rate, last_eval = metrics_lib.Throughput(), 0.0, {}
     interrupted = False
 
     with _StopFlag() as stop:
         while step < end:
-            batch = jax.tree_util.tree_map(jnp.asarray, next(train_iter))
+            batch = _global_batch(next(train_iter), shardings.batch)
             state, m = step_fn(state, batch)
             step += 1
             meter.add(tokens_per_step)
@@ -167,7 +198,7 @@ def train(config: ExperimentConfig, workdir: str, *, progress: bool = True,
     writer.close()
     if bar is not None:
         bar.close()
-    if step >= tcfg.steps and not interrupted:
+    if step >= tcfg.steps and not interrupted and rank == 0:
         print(f"done: step {step}, validation loss {last_eval.get('loss', float('nan')):.4f}, "
               f"bits/byte {last_eval.get('bits_per_byte', float('nan')):.4f}, "
               f"{last_rate:,.0f} tokens/s, workdir {workdir}")

@@ -115,14 +115,32 @@ def eval_step(params, router, batch: Batch, *, model: nn.Module):
     return loss * tokens, tokens
 
 
+def jit_init_state(model: nn.Module, optimizer: optax.GradientTransformation,
+                   micro_batch_shape: tuple[int, int], seed: int, shardings=None):
+    """() -> TrainState, created directly in its shardings (`hybridmoe.sharding.StepShardings`)."""
+    def init():
+        return init_train_state(model, optimizer, jnp.zeros(micro_batch_shape, jnp.int32), seed)
+    return jax.jit(init, out_shardings=None if shardings is None else shardings.state)
+
+
 def jit_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
-                   train_cfg: TrainConfig):
+                   train_cfg: TrainConfig, shardings=None):
+    """The jitted step; with `shardings`, state and batch in/out shardings come from the logical rules
+    and the step is traced inside the mesh + rules context (which turns on expert parallelism)."""
     fn = functools.partial(train_step, model=model, optimizer=optimizer, train_cfg=train_cfg)
-    return jax.jit(fn, donate_argnums=(0,))
+    if shardings is None:
+        return jax.jit(fn, donate_argnums=(0,))
+    return jax.jit(shardings.traced(fn), in_shardings=(shardings.state, shardings.batch),
+                   out_shardings=(shardings.state, shardings.replicated), donate_argnums=(0,))
 
 
-def jit_eval_step(model: nn.Module):
-    return jax.jit(functools.partial(eval_step, model=model))
+def jit_eval_step(model: nn.Module, shardings=None):
+    fn = functools.partial(eval_step, model=model)
+    if shardings is None:
+        return jax.jit(fn)
+    return jax.jit(shardings.traced(fn),
+                   in_shardings=(shardings.params, shardings.state.router, shardings.batch),
+                   out_shardings=shardings.replicated)
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
@@ -142,10 +160,12 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
         else d * mla.num_heads * qk
     mla_proj = (q_proj + d * (mla.kv_lora_rank + mla.qk_rope_head_dim)
                 + mla.kv_lora_rank * mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-                + 2 * d * mla.num_heads * mla.v_head_dim)
+                + (1 + mla.output_gate) * d * mla.num_heads * mla.v_head_dim)
     mla_core = mla.num_heads * (seq_len / 2) * (qk + mla.v_head_dim)
     width = moe.latent_dim or d
-    moe_ffn = (3 * width * moe.expert_width * (moe.top_k + moe.num_shared_experts) + d * moe.num_experts
+    # Routed experts work at the latent width; shared experts on the tokens themselves (d_model).
+    moe_ffn = (3 * width * moe.expert_width * moe.top_k + 3 * d * moe.expert_width * moe.num_shared_experts
+               + d * moe.num_experts
                + (2 * d * moe.latent_dim if moe.latent_dim else 0))
     dense_ffn = 3 * d * moe.dense_width
     out = {"kda": 0.0, "mla": 0.0, "moe": 0.0, "dense_ffn": 0.0, "head": 2.0 * d * cfg.vocab_size}
