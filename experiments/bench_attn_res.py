@@ -137,7 +137,7 @@ def summarise(variants: list[dict], checks: dict) -> dict:
         per_round = statistics.median(ratios)
         q1, _, q3 = statistics.quantiles(ratios, n=4)
         # CPU time of this process (all its threads): work done, not time spent waiting for the
-        # cores other jobs hold, so on a shared machine it is the steadier of the two.
+        # cores other jobs hold on a shared machine.
         cpu, base_cpu = statistics.median(v["cpu_times"]), statistics.median(base["cpu_times"])
         mem = v["temp_bytes"] + v["argument_bytes"]
         base_mem = base["temp_bytes"] + base["argument_bytes"]
@@ -183,8 +183,8 @@ def write_markdown(summary: dict, path: str) -> None:
         "memory = compiled temp + argument bytes.",
         "Ratios are to mode none with the same remat setting. Step / none: ratio of the median "
         "wall times; per round: median of the ratios within each round; min / min: ratio of the "
-        "fastest steps; CPU time / none: ratio of the median process CPU times (all threads), "
-        "the steadiest on a shared machine.",
+        "fastest steps; CPU time / none: ratio of the median process CPU times (all threads): "
+        "work done rather than time waited for cores other jobs hold.",
         "",
         "| variant | step ms | step / none | per round (quartiles) | min / min | CPU time / none "
         "| memory MiB | memory / none | compile s |",
