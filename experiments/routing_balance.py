@@ -26,6 +26,7 @@ import numpy as np
 from absl import app, flags
 
 from hybridmoe.routing import make_router
+from hybridmoe.routing_synthetic import simulate, skewed_scores
 
 flags.DEFINE_integer("steps", 50, "Batches per router.")
 flags.DEFINE_integer("seed", 0, "Seed of the synthetic scores (the same batches for every router).")
@@ -40,24 +41,7 @@ ROUTERS = (
     ("softmax_topk_aux", {"alpha": 1e-2}),
     ("expert_threshold", {}),
 )
-SPREAD = 2.0
 
-
-def skewed_scores(key, num_tokens, num_experts):
-    """[N, E] sigmoid(z + offset_j), offsets linear over [-SPREAD, SPREAD]."""
-    offset = jnp.linspace(-SPREAD, SPREAD, num_experts)
-    return jax.nn.sigmoid(jax.random.normal(key, (num_tokens, num_experts)) + offset)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def simulate(router, num_tokens, steps, key):
-    """Stats of every step: dict of [steps, ...] arrays."""
-    def step(state, k):
-        scores = skewed_scores(k, num_tokens, router.num_experts)
-        out = router.route(scores, state)
-        return router.update(state, scores, out), out.stats
-    _, stats = jax.lax.scan(step, router.init_state(num_tokens=num_tokens), jax.random.split(key, steps))
-    return stats
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -83,7 +67,7 @@ def run_shape(num_experts, top_k, num_tokens):
     for name, options in ROUTERS:
         start = time.time()
         router = make_router(name, num_experts, top_k, **options)
-        stats = jax.tree.map(np.asarray, simulate(router, num_tokens, FLAGS.steps, key))
+        stats = jax.tree.map(np.asarray, simulate(router, num_tokens, FLAGS.steps, key)[1])
         mv = stats["max_vio"]
         row = {"router": name, "options": dict(router.options), "E": num_experts, "k": top_k,
                "tokens": num_tokens, "max_vio_step0": float(mv[0]),
