@@ -29,6 +29,8 @@ from hybridmoe import config as C
 flags.DEFINE_integer("num_layers", 16, "Layers of the model.")
 flags.DEFINE_integer("d_model", 128, "Model width.")
 flags.DEFINE_integer("block_size", 4, "Layers per block in mode block.")
+flags.DEFINE_integer("heads", 2, "KDA and MLA heads (KDA head dim 64, MLA 32+16/32).")
+flags.DEFINE_string("kda_backend", "auto", "KDAConfig.backend (auto: the Pallas kernels on GPU).")
 flags.DEFINE_integer("batch", 2, "Sequences per step.")
 flags.DEFINE_integer("seq_len", 256, "Tokens per sequence.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Activation dtype.")
@@ -46,8 +48,8 @@ def model_config(mode: str, remat: str) -> C.ModelConfig:
     return C.ModelConfig(
         d_model=FLAGS.d_model, num_layers=FLAGS.num_layers, layer_pattern="KKKM",
         dtype=FLAGS.dtype, remat=remat,
-        kda=C.KDAConfig(num_heads=2, head_dim=64, chunk_size=64),
-        mla=C.MLAConfig(num_heads=2, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        kda=C.KDAConfig(num_heads=FLAGS.heads, head_dim=64, chunk_size=64, backend=FLAGS.kda_backend),
+        mla=C.MLAConfig(num_heads=FLAGS.heads, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
                         v_head_dim=32),
         moe=C.MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_width=256),
         attn_res=C.AttnResConfig(mode=mode, block_size=FLAGS.block_size),

@@ -1,6 +1,8 @@
 """Train a model: `python -m experiments.train --gin_file=configs/tiny.gin --workdir=runs/tiny`.
 
 Restarting in an existing workdir resumes from its newest checkpoint; Ctrl-C saves and stops.
+A context-length curriculum runs its stages in order from the one command (and resumes mid-stage):
+`--gin_file=configs/stages/tiny_ramp.gin` trains at 512, then 2K, then 8K tokens on the CPU.
 
 Several processes (docs/scaling.md): run the same command in each, with
 --coordinator_address=HOST:PORT --num_processes=N --process_id=I, or with nothing more under SLURM and on

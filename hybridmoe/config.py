@@ -227,7 +227,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     dtype: str = "bfloat16"  # activation / compute dtype
     param_dtype: str = "float32"
-    remat: str = "none"  # "none" | "full": rematerialise each layer in the backward pass
+    # "none"; "full": rematerialise each attention sublayer in the backward pass; "all": the FFN/MoE
+    # sublayers too (long context, where the expert buffers of every layer would not fit).
+    remat: str = "none"
 
     def __post_init__(self):
         name = "ModelConfig"
@@ -239,7 +241,7 @@ class ModelConfig:
                   "a non-empty string of letters in {K, M}")
         _check_in(name, "dtype", self.dtype, ("bfloat16", "float32"))
         _check_in(name, "param_dtype", self.param_dtype, ("bfloat16", "float32"))
-        _check_in(name, "remat", self.remat, ("none", "full"))
+        _check_in(name, "remat", self.remat, ("none", "full", "all"))
         _check_range(name, "norm_eps", self.norm_eps, 0.0, 1e-2, lo_open=True)
         if self.moe.first_k_dense > self.num_layers:
             _fail("MoEConfig", "first_k_dense", self.moe.first_k_dense,
@@ -278,28 +280,80 @@ class DataConfig:
         _check_range(name, "validation_fraction", self.validation_fraction, 0.0, 0.5, lo_open=True)
 
 
+ADVANCE_RULES = ("never", "plateau")
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class StageConfig:
-    """One stage of a context-length curriculum."""
+    """One stage of a context-length curriculum (DESIGN §3.6); `TrainConfig.stages` runs them in order.
+
+    Rows per step: an explicit `batch_size` (rows per process, as DataConfig.batch_size), else
+    `tokens_per_step` (global) / seq_len / processes, where tokens_per_step=0 means the base
+    config's DataConfig.batch_size × processes × DataConfig.seq_len: by default every stage trains
+    on as many tokens per step as the base config, in fewer, longer rows. Set at most one of the two.
+
+    `long_doc_share` of each batch's rows are whole windows of a single document at least
+    seq_len + 1 tokens long, the rest rows of the packed stream (hybridmoe/data/pipeline.py).
+    `eval_lengths` are the context lengths the long-context evaluator scores after this stage.
+    `advance_if="plateau"` ends the stage before `steps` once `patience` validations in a row
+    have not beaten the stage's best validation loss by more than `min_delta`.
+    """
 
     seq_len: int = 512
     steps: int = 100
-    batch_size: int = 0  # 0: keep TrainConfig tokens per step constant
+    batch_size: int = 0  # rows per process; 0: from tokens_per_step
+    tokens_per_step: int = 0  # global; 0: the base config's (see above)
     long_doc_share: float = 0.0
     eval_lengths: tuple[int, ...] = ()
+    advance_if: str = "never"  # or "plateau"
+    patience: int = 3  # plateau: validations without progress before the stage ends
+    min_delta: float = 0.0  # plateau: the least loss decrease (nats) that counts as progress
 
     def __post_init__(self):
         name = "StageConfig"
-        _check_positive(name, seq_len=self.seq_len, steps=self.steps)
-        _check_non_negative(name, batch_size=self.batch_size)
+        _check_positive(name, seq_len=self.seq_len, steps=self.steps, patience=self.patience)
+        _check_non_negative(name, batch_size=self.batch_size, tokens_per_step=self.tokens_per_step)
+        if self.batch_size and self.tokens_per_step:
+            _fail(name, "tokens_per_step", self.tokens_per_step,
+                  f"0 when batch_size is set (batch_size={self.batch_size}): set one of the two")
+        if self.tokens_per_step % self.seq_len:
+            _fail(name, "tokens_per_step", self.tokens_per_step,
+                  f"a multiple of seq_len={self.seq_len} (whole rows per step)")
         _check_range(name, "long_doc_share", self.long_doc_share, 0.0, 1.0)
+        object.__setattr__(self, "eval_lengths", tuple(self.eval_lengths))  # gin gives lists
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.eval_lengths):
+            _fail(name, "eval_lengths", self.eval_lengths, "a tuple of positive integers")
+        _check_in(name, "advance_if", self.advance_if, ADVANCE_RULES)
+        _check_range(name, "min_delta", self.min_delta, 0.0, 1e6)
+
+    def rows_per_process(self, data: DataConfig, processes: int) -> int:
+        """This stage's batch size per process (see the class docstring), checked to be whole."""
+        if self.batch_size:
+            return self.batch_size
+        tokens = self.tokens_per_step or data.batch_size * processes * data.seq_len
+        rows, rest = divmod(tokens, self.seq_len * processes)
+        if rest or rows < 1:
+            source = (f"{self.tokens_per_step}" if self.tokens_per_step else
+                      f"0 (the base DataConfig.batch_size={data.batch_size} × {processes} processes × "
+                      f"DataConfig.seq_len={data.seq_len} = {tokens} tokens)")
+            raise ValueError(
+                f"StageConfig.tokens_per_step must give a whole number ≥ 1 of rows of "
+                f"seq_len={self.seq_len} for each of {processes} processes, got {source}; "
+                f"set StageConfig.batch_size or a multiple of {self.seq_len * processes}")
+        return rows
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation, checkpointing and logging."""
+    """Optimisation, checkpointing and logging.
+
+    `stages`: a context-length curriculum run in order by one `train` call (StageConfig); empty:
+    one stage of DataConfig.seq_len × DataConfig.batch_size for `steps` steps. With stages,
+    `steps` must be their total: it is the length of the learning-rate schedule, which spans the
+    whole curriculum (a stage that ends early on a plateau shortens the run, not the schedule).
+    """
 
     steps: int = 600
     optimizer: str = "adamw"  # or "muon" (embeddings, norms, gate biases stay on AdamW)
@@ -337,6 +391,17 @@ class TrainConfig:
         _check_range(name, "grad_clip", self.grad_clip, 0.0, 1e6)
         _check_in(name, "on_nonfinite", self.on_nonfinite, ("skip", "stop"))
         _check_range(name, "peak_tflops", self.peak_tflops, 0.0, 1e6)
+        self._check_stages()
+
+    def _check_stages(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))  # frozen and hashable: gin gives lists
+        for stage in self.stages:
+            if not isinstance(stage, StageConfig):
+                _fail("TrainConfig", "stages", stage, "a tuple of StageConfig")
+        total = sum(stage.steps for stage in self.stages)
+        if self.stages and self.steps != total:
+            _fail("TrainConfig", "steps", self.steps,
+                  f"the stages' total {total} when stages are set (the learning-rate schedule's length)")
 
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "sequence")

@@ -29,17 +29,18 @@ class HybridLM(nn.Module):
         cfg = self.config
         dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
         common = dict(d_model=cfg.d_model, dtype=dt, param_dtype=pdt, norm_eps=cfg.norm_eps)
-        remat = cfg.remat == "full"
+        remat = cfg.remat in ("full", "all")
+        remat_ffn = cfg.remat == "all"
         if kind == "K":
             attn = (nn.remat(KDA) if remat else KDA)(cfg.kda, name=f"layer_{index}_kda", **common)
         else:
             attn = (nn.remat(MLA) if remat else MLA)(cfg.mla, name=f"layer_{index}_mla", **common)
         if index < cfg.moe.first_k_dense:
-            ffn = DenseFFN(width=cfg.moe.dense_width, d_model=cfg.d_model,
+            ffn = (nn.remat(DenseFFN) if remat_ffn else DenseFFN)(width=cfg.moe.dense_width, d_model=cfg.d_model,
                            activation=cfg.moe.activation, dtype=dt, param_dtype=pdt,
                            name=f"layer_{index}_ffn")
         else:
-            ffn = MoE(cfg.moe, cfg.router, name=f"layer_{index}_moe", **common)
+            ffn = (nn.remat(MoE) if remat_ffn else MoE)(cfg.moe, cfg.router, name=f"layer_{index}_moe", **common)
         return attn, ffn
 
     @nn.compact
@@ -65,7 +66,7 @@ class HybridLM(nn.Module):
 
             site = AttnResSite(eps=cfg.norm_eps, name=f"attn_res_{i}_ffn") if use_sites else None
             h = RMSNorm(cfg.norm_eps, dt, pdt, name=f"layer_{i}_ffn_norm")(stream.sublayer_input(site))
-            if isinstance(ffn, MoE):
+            if i >= cfg.moe.first_k_dense:  # a MoE layer (remat may have wrapped its class)
                 y, moe_aux = ffn(h)
                 aux["router"][f"layer_{i}"] = moe_aux["router_stats"]
                 aux["aux_loss"] = aux["aux_loss"] + moe_aux["aux_loss"]

@@ -103,7 +103,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Forward matmul FLOPs per token (step.model_flops_per_token, the MFU numerator's basis), training
     model FLOPs (3× forward) and the hardware FLOPs with remat (attention forward recomputed)."""
     fwd = model_flops_per_token(cfg, seq_len)
-    recompute = fwd["kda"] + fwd["mla"] if cfg.remat == "full" else 0.0
+    recompute = fwd["kda"] + fwd["mla"] if cfg.remat in ("full", "all") else 0.0
+    if cfg.remat == "all":
+        recompute += fwd["total"] - fwd["kda"] - fwd["mla"] - fwd.get("head", 0.0)
     return {"forward": fwd["total"], "train": 3 * fwd["total"],
             "train_with_remat": 3 * fwd["total"] + recompute,
             "forward_by_part": {k: v for k, v in fwd.items() if k != "total"}}
@@ -139,7 +141,7 @@ def activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, sizes: Mapping[s
     probabilities per head (fused backends keep only a log-sum-exp); for MoE the router scores, the
     capacity buffers [E, C, d] (C·E ≈ capacity_factor·k·tokens, or E·tokens for dropless under expert
     parallelism), the expert hiddens and the shared experts. remat="full" keeps only the attention inputs
-    plus one layer's attention internals at a time. Widths split over `tensor` where they divide.
+    plus one layer's attention internals at a time; remat="all" does the same for the FFN sublayers. Widths split over `tensor` where they divide.
     """
     a = DTYPE_BYTES[cfg.dtype]
     tokens = _split(rows, math.prod(sizes[x] for x in sharding.mesh_axes("batch", rules))) \
@@ -163,8 +165,9 @@ def activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, sizes: Mapping[s
     attn = [kda if kind == "K" else mla for kind in kinds]
     ffn = [dense if i < moe.first_k_dense else routed + shared for i in range(len(kinds))]
     sources = (len(kinds) // cfg.attn_res.block_size + 2) if cfg.attn_res.mode == "block" else 1
-    per_token = 4 * d * a * len(kinds) + sum(ffn) + sources * d * a
-    per_token += max(attn) if cfg.remat == "full" else sum(attn)
+    per_token = 4 * d * a * len(kinds) + sources * d * a
+    per_token += max(attn) if cfg.remat in ("full", "all") else sum(attn)
+    per_token += max(ffn) if cfg.remat == "all" else sum(ffn)
     logits = 2 * _split(cfg.vocab_size, math.prod(sizes[x] for x in sharding.mesh_axes("vocab", rules))) * 4
     return tokens * (per_token + logits)
 

@@ -6,7 +6,8 @@ mesh axes (data, fsdp, expert, tensor, sequence), flax semantics (first free rul
     over `fsdp`; heads, expert widths and vocab over `tensor`; experts over `expert`); all else replicated;
   - the batch: rows over the "batch" axes, positions over the "length" axes;
   - the MoE layer's expert parallelism (`ExpertParallel`): route -> all_to_all -> local experts -> psum of
-    tensor-parallel partial sums -> all_to_all back -> combine, inside one `jax.shard_map`.
+    tensor-parallel partial sums -> all_to_all back -> combine, inside one `jax.shard_map`;
+  - context parallelism of the attention layers over the "length" axes (hybridmoe.context_parallel).
 A mesh axis that does not divide a parameter dimension is dropped from that dimension (the parameter is then
 replicated along it: norm vectors, a 259-token byte vocabulary over tensor=2); `replicated_params` lists them.
 Batch dimensions are never fitted that way: a batch that does not divide is an error.
@@ -169,7 +170,7 @@ class StepShardings:
 
     @contextlib.contextmanager
     def context(self):
-        """Entered INSIDE the traced step: the MoE layer reads the mesh and rules from it."""
+        """Entered INSIDE the traced step: the MoE, KDA and MLA layers read the mesh and rules from it."""
         with jax.sharding.use_abstract_mesh(_abstract(self.mesh)), nn.logical_axis_rules(self.rules):
             yield
 

@@ -17,8 +17,8 @@ import grain
 import numpy as np
 
 from hybridmoe.config import DataConfig
-from hybridmoe.data.corpus import load_corpus
-from hybridmoe.data.packing import num_rows, pack_rows
+from hybridmoe.data.corpus import Corpus, load_corpus
+from hybridmoe.data.packing import long_document_windows, num_rows, pack_rows, pack_windows
 
 # Rows are packed per batch with vectorised numpy: two threads keep up with an accelerator, and a
 # short buffer bounds host memory at large batch sizes.
@@ -33,39 +33,74 @@ def _check_shard(shard_index: int, shard_count: int) -> None:
                          f"got {shard_index!r}")
 
 
-def _shuffle_seed(seed: int) -> int:
+def _shuffle_seed(seed: int, stream: str) -> int:
     # grain shuffles epoch e with seed + e; hashing keeps runs with nearby seeds from sharing
-    # permutations one epoch apart.
-    return int.from_bytes(hashlib.sha256(f"train-rows:{seed}".encode()).digest()[:4], "big")
+    # permutations one epoch apart (and the long-window stream from sharing the rows' order).
+    return int.from_bytes(hashlib.sha256(f"{stream}:{seed}".encode()).digest()[:4], "big")
 
 
-def train_dataset(config: DataConfig, *, shard_index: int = 0, shard_count: int = 1
-                  ) -> grain.MapDataset:
-    """Infinite MapDataset of train batches; this process's rows are r ≡ shard_index (mod count).
+def _shuffled_forever(items: grain.MapDataset, seed: int, stream: str) -> grain.MapDataset:
+    return items.shuffle(seed=_shuffle_seed(seed, stream)).repeat()
 
-    Each epoch visits every row of the shard once, in an order drawn from DataConfig.seed and
-    the epoch number; a batch may straddle two epochs.
+
+def _long_windows(corpus: Corpus, config: DataConfig, shard_index: int, shard_count: int,
+                  share: float) -> grain.MapDataset:
+    """This shard's long-document windows (packing.long_document_windows), shuffled, forever."""
+    windows = long_document_windows(corpus, config.seq_len)
+    if len(windows) < shard_count:
+        raise ValueError(f"StageConfig.long_doc_share={share} needs train documents of at least "
+                         f"seq_len + 1 = {config.seq_len + 1} tokens, one window per process: the "
+                         f"train split has {len(windows)} windows for {shard_count} processes; "
+                         f"lower long_doc_share or seq_len")
+    ds = grain.MapDataset.source(windows)[shard_index::shard_count]
+    return _shuffled_forever(ds, config.seed, "long-windows")
+
+
+def train_row_starts(config: DataConfig, corpus: Corpus, *, long_doc_share: float = 0.0,
+                     shard_index: int = 0, shard_count: int = 1) -> grain.MapDataset:
+    """Infinite MapDataset of the stream positions where this shard's train rows start.
+
+    Rows of the packed stream start at r·T for r ≡ shard_index (mod shard_count); each epoch
+    visits every one once, in an order drawn from DataConfig.seed and the epoch number. With
+    `long_doc_share` > 0 (a curriculum stage's mixture), exactly that share of positions, at a
+    fixed rhythm, are instead windows inside single long documents, drawn the same way.
     """
     _check_shard(shard_index, shard_count)
-    corpus = load_corpus(config, "train")
     rows = num_rows(corpus.num_tokens, config.seq_len)
     if rows < shard_count:
         raise ValueError(f"DataConfig.seq_len={config.seq_len} gives the train split only {rows} "
                          f"rows, fewer than shard_count={shard_count}: lower seq_len or add data")
-    ds = grain.MapDataset.range(rows)[shard_index::shard_count]
-    ds = ds.shuffle(seed=_shuffle_seed(config.seed)).repeat()
+    parts, weights = [], []
+    if long_doc_share < 1.0:
+        starts = grain.MapDataset.range(0, rows * config.seq_len, config.seq_len)
+        parts.append(_shuffled_forever(starts[shard_index::shard_count], config.seed, "train-rows"))
+        weights.append(1.0 - long_doc_share)
+    if long_doc_share > 0.0:
+        parts.append(_long_windows(corpus, config, shard_index, shard_count, long_doc_share))
+        weights.append(long_doc_share)
+    return parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
+
+
+def train_dataset(config: DataConfig, *, long_doc_share: float = 0.0, shard_index: int = 0,
+                  shard_count: int = 1) -> grain.MapDataset:
+    """Infinite MapDataset of train batches packed from `train_row_starts`; a batch may straddle
+    two epochs."""
+    corpus = load_corpus(config, "train")
+    ds = train_row_starts(config, corpus, long_doc_share=long_doc_share, shard_index=shard_index,
+                          shard_count=shard_count)
     ds = ds.batch(config.batch_size, drop_remainder=True)
-    return ds.map(functools.partial(pack_rows, corpus, seq_len=config.seq_len))
+    return ds.map(functools.partial(pack_windows, corpus, seq_len=config.seq_len))
 
 
-def make_train_iterator(config: DataConfig, *, shard_index: int = 0, shard_count: int = 1
-                        ) -> grain.DatasetIterator:
+def make_train_iterator(config: DataConfig, *, long_doc_share: float = 0.0, shard_index: int = 0,
+                        shard_count: int = 1) -> grain.DatasetIterator:
     """Iterator over train batches; `get_state()` / `set_state()` save and restore its position.
 
     The state is a small JSON-able dict (the next batch index): store it with the checkpoint
     (grain.checkpoint.CheckpointSave / CheckpointRestore for Orbax).
     """
-    ds = train_dataset(config, shard_index=shard_index, shard_count=shard_count)
+    ds = train_dataset(config, long_doc_share=long_doc_share, shard_index=shard_index,
+                       shard_count=shard_count)
     return iter(ds.to_iter_dataset(READ_OPTIONS))
 
 

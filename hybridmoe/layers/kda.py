@@ -3,6 +3,9 @@
 q, k, v = SiLU(causal depthwise conv(W x)); forget-gate input f = W_f↑ W_f↓ x (rank = head dim);
 β = sigmoid(W_β x); g = bounded or softplus gate of f; o = chunk_kda(...);
 output = W_o · concat_h[RMSNorm_h(o_h) · w ⊙ sigmoid(W_g x)].
+
+Under a mesh whose "length" rule splits positions (hybridmoe.context_parallel), the convolutions take a halo
+from the previous sequence shard and the chunked scan passes its state across shards; all else is per token.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from hybridmoe import context_parallel
 from hybridmoe.config import KDAConfig
 from hybridmoe.layers.common import Dense, param_with_axes, rms_normalize
 from pallas_kernels.kda import bounded_gate, chunk_kda, softplus_gate
@@ -48,12 +52,18 @@ class ShortConv(nn.Module):
     axis: str
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    parallel: context_parallel.ContextParallel | None = None  # sequence shards: the halo crosses them
 
     @nn.compact
     def __call__(self, x, segment_ids=None):
         w = param_with_axes(self, "kernel", nn.initializers.normal(self.width ** -0.5),
                             (self.width, x.shape[-1]), ("conv", self.axis), self.param_dtype)
-        return jax.nn.silu(causal_depthwise_conv(x, w.astype(self.dtype), segment_ids))
+        w = w.astype(self.dtype)
+        if self.parallel is None:
+            y = causal_depthwise_conv(x, w, segment_ids)
+        else:
+            y = context_parallel.causal_conv(self.parallel, causal_depthwise_conv, x, w, segment_ids)
+        return jax.nn.silu(y)
 
 
 class KDA(nn.Module):
@@ -73,10 +83,12 @@ class KDA(nn.Module):
         cfg = self.config
         b, t, _ = x.shape
         h, hv, dk, dv = cfg.num_heads, cfg.value_heads, cfg.head_dim, cfg.value_dim
+        # init only creates parameters, the same on either path
+        parallel = None if self.is_initializing() else context_parallel.current()
 
         def conv_proj(name, heads, dim):
             y = self._dense((heads * dim,), ("embed", "heads_x_dim"), f"w_{name}")(x)
-            y = ShortConv(cfg.conv_width, "heads_x_dim", self.dtype, self.param_dtype,
+            y = ShortConv(cfg.conv_width, "heads_x_dim", self.dtype, self.param_dtype, parallel,
                           name=f"conv_{name}")(y, segment_ids)
             return y.reshape(b, t, heads, dim)
 
@@ -98,9 +110,12 @@ class KDA(nn.Module):
         beta = jax.nn.sigmoid(
             self._dense((hv,), ("embed", "heads"), "w_beta")(x).astype(jnp.float32))
 
-        o, _ = chunk_kda(q.astype(self.dtype), k.astype(self.dtype), v, g, beta,
-                         g_min=cfg.bound, chunk_size=cfg.chunk_size, backend=cfg.backend,
-                         segment_ids=segment_ids)
+        q, k = q.astype(self.dtype), k.astype(self.dtype)
+        options = dict(g_min=cfg.bound, chunk_size=cfg.chunk_size, backend=cfg.backend)
+        if parallel is None:
+            o, _ = chunk_kda(q, k, v, g, beta, segment_ids=segment_ids, **options)
+        else:
+            o = context_parallel.kda(parallel, q, k, v, g, beta, segment_ids, **options)
 
         norm_w = param_with_axes(self, "o_norm", nn.initializers.ones, (dv,), ("norm",),
                                  self.param_dtype)

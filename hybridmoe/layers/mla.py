@@ -4,10 +4,13 @@ DeepSeek-style latent attention: keys and values are expanded from a low-rank la
 one key part `k_shared` shared by all heads, so a decoding cache holds only `(c_kv, k_shared)`.
 NoPE by default (the KDA layers carry position); RoPE on the shared/rope parts is an ablation.
 The attention itself goes through a backend table; every backend must honour the document mask.
+Under a mesh whose "length" rule splits positions, the latent is all-gathered over the sequence shards and
+each shard attends its own queries (hybridmoe.context_parallel; the "xla" backend, which takes a query offset).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import chex
@@ -15,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from hybridmoe import context_parallel
 from hybridmoe.config import MLAConfig
 from hybridmoe.layers.common import Dense, RMSNorm, fan_in_init, param_with_axes
 
@@ -48,17 +52,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
-                  scale: float) -> jax.Array:
+                  scale: float, *, kv_segment_ids: jax.Array | None = None,
+                  q_offset: int | jax.Array = 0) -> jax.Array:
     """Causal softmax attention with a same-document mask; logits and softmax in fp32.
 
-    q: [B, T, H, Dqk], k: [B, T, H, Dqk], v: [B, T, H, Dv], segment_ids: [B, T] | None
-    -> [B, T, H, Dv] in v's dtype.
+    q: [B, T, H, Dqk], k: [B, S, H, Dqk], v: [B, S, H, Dv], segment_ids: [B, T] | None
+    -> [B, T, H, Dv] in v's dtype. Query t sits at key position q_offset + t: the queries may be one
+    sequence shard's (context parallelism), with kv_segment_ids [B, S] the keys' ids (default: segment_ids).
     """
-    t = q.shape[1]
+    t, s = q.shape[1], k.shape[1]
     logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
-    mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None, None]
+    mask = (q_offset + jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None, None]
     if segment_ids is not None:
-        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+        kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = mask & (segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
     # The diagonal is never masked, so every row keeps at least one finite logit.
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
@@ -153,10 +160,26 @@ class MLA(nn.Module):
                          else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
 
         q = self.queries(x, positions)
-        k, v = self.expand_kv(*self.latent_kv(x, positions))
+        latent = self.latent_kv(x, positions)
         scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-        out = attend(q, k, v, segment_ids, scale)  # [B, T, H, Dv]
+        # init only creates parameters, which cannot happen inside the shard_map
+        parallel = None if self.is_initializing() else context_parallel.current()
+        if parallel is None:
+            out = attend(q, *self.expand_kv(*latent), segment_ids, scale)  # [B, T, H, Dv]
+        else:
+            out = self._sharded_attention(parallel, q, latent, segment_ids, scale)
         if cfg.output_gate:
             gate = jax.nn.sigmoid(self.w_gate(x).astype(jnp.float32))
             out = (out.astype(jnp.float32) * gate).astype(self.dtype)
         return jnp.einsum("bthv,hvd->btd", out, self.wo.astype(self.dtype))
+
+    def _sharded_attention(self, parallel: context_parallel.ContextParallel, q: jax.Array,
+                           latent: tuple[jax.Array, jax.Array], segment_ids: jax.Array | None,
+                           scale: float) -> jax.Array:
+        """Attention over sequence shards from the all-gathered latent; needs a backend with a query offset."""
+        if self.config.backend != "xla":
+            raise ValueError(f"MLAConfig.backend={self.config.backend!r} takes no query offset, which "
+                             f"context parallelism over {parallel.describe()} needs; use "
+                             f"MLAConfig.backend='xla'")
+        attend = functools.partial(xla_attention, scale=scale)
+        return context_parallel.latent_attention(parallel, attend, self.expand_kv, q, *latent, segment_ids)

@@ -3,8 +3,13 @@
 `train(config, workdir)` resumes from the newest checkpoint in `workdir` if there is one.
 SIGINT/SIGTERM finish the current step, save a checkpoint and return.
 
+A run is a curriculum of stages (hybridmoe/train/stages.py; without TrainConfig.stages, one stage):
+each compiles its own step for its batch shape, rebuilds the data iterator and the validation
+batches at its seq_len, and hands the train state to the next; the global step keeps counting, a
+checkpoint marks every switch and a stage summary goes to metrics.jsonl (split "stage").
+
 The step runs over the mesh of `config.mesh` (all devices of all processes; one device is a mesh of size
-1). Each process reads its own share of the rows (DataConfig.batch_size rows per process per step) and
+1). Each process reads its own share of the rows (the stage's batch size, per process per step) and
 the loop assembles them into global arrays; process 0 writes metrics and shows progress.
 """
 
@@ -15,7 +20,6 @@ import functools
 import math
 import os
 import signal
-import time
 from typing import Any
 
 import jax
@@ -28,6 +32,7 @@ from hybridmoe import sharding
 from hybridmoe.config import ExperimentConfig, MeshConfig, TrainConfig
 from hybridmoe.model import build_model
 from hybridmoe.train import metrics as metrics_lib
+from hybridmoe.train import stages as stages_lib
 from hybridmoe.train.checkpoint import Checkpointer, abstract_like
 from hybridmoe.train.optimizer import make_optimizer
 from hybridmoe.train.step import (init_train_state, jit_eval_step, jit_init_state, jit_train_step,
@@ -115,7 +120,8 @@ def _compiled_functions(model_cfg, train_cfg, micro_batch_shape, mesh_cfg: MeshC
     optimizer = make_optimizer(train_cfg, params_shape)
     mesh = sharding.make_mesh(mesh_cfg)
     sharding.check_batch(micro_batch_shape, mesh_cfg.rules, sharding.axis_sizes(mesh),
-                         "DataConfig.batch_size × processes / TrainConfig.grad_accum, DataConfig.seq_len")
+                         "batch size (DataConfig or StageConfig) × processes / TrainConfig.grad_accum, "
+                         "seq_len")
     abstract = jax.eval_shape(
         lambda tokens: init_train_state(model, optimizer, tokens, train_cfg.seed), example)
     shardings = sharding.step_shardings(abstract, params_shape, mesh, mesh_cfg.rules)
@@ -129,80 +135,185 @@ def _global_batch(batch: dict[str, np.ndarray], batch_sharding) -> dict[str, jax
             for k, v in batch.items()}
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the stages of one `train` call share, and its progress so far."""
+
+    config: ExperimentConfig
+    ckpt: Checkpointer
+    writer: Any
+    bar: Any
+    stop: _StopFlag
+    end: int  # this call stops at this step (stop_after), if the curriculum has not ended before
+    step: int
+    peak: float
+    bytes_per_token: float
+    last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_rate: float = 0.0
+
+
+@dataclasses.dataclass
+class _StageRun:
+    """One stage's compiled functions and data, built when the curriculum enters it."""
+
+    stage: stages_lib.Stage
+    shardings: Any
+    step_fn: Any
+    eval_fn: Any
+    train_iter: Any
+    eval_batches: list
+    train_flops_per_token: float
+
+
+def _stage_functions(config: ExperimentConfig, stage: stages_lib.Stage):
+    micro_shape = (stage.tokens_per_step // stage.seq_len // config.train.grad_accum, stage.seq_len)
+    return _compiled_functions(config.model, _step_relevant(config.train), micro_shape, config.mesh)
+
+
+def _enter_stage(config: ExperimentConfig, stage: stages_lib.Stage,
+                 iterator_state: dict | None) -> _StageRun:
+    """Compiled functions, train iterator (at `iterator_state`) and eval batches at the stage's shape."""
+    procs, rank = jax.process_count(), jax.process_index()
+    shardings, _, step_fn, eval_fn = _stage_functions(config, stage)
+    train_iter = data_lib.make_train_iterator(stage.data, long_doc_share=stage.config.long_doc_share,
+                                              shard_index=rank, shard_count=procs)
+    if iterator_state is not None:
+        train_iter.set_state(iterator_state)
+    eval_batches = [_global_batch(b, shardings.batch) for b in data_lib.make_eval_batches(
+        stage.data, config.train.eval_batches, shard_index=rank, shard_count=procs)]
+    flops = model_flops_per_token(config.model, stage.seq_len)["total"] * 3
+    return _StageRun(stage, shardings, step_fn, eval_fn, train_iter, eval_batches, flops)
+
+
+def _initial_state(config: ExperimentConfig, first: stages_lib.Stage, ckpt: Checkpointer,
+                   workdir: str):
+    """(TrainState, Position): the newest checkpoint's if one restores, else fresh at stage 0.
+
+    The state's shapes do not depend on the stage, so the first stage's init gives the template.
+    """
+    state = _stage_functions(config, first)[1]()
+    restored = ckpt.restore_latest(abstract_like(state))
+    if restored is None:
+        return state, stages_lib.Position()
+    step, state, data_state = restored
+    position = stages_lib.Position.from_json(data_state)
+    logging.info("Resumed from step %d in %s (stage %d)", step, workdir, position.stage)
+    return state, position
+
+
 def train(config: ExperimentConfig, workdir: str, *, progress: bool = True,
           stop_after: int | None = None) -> TrainResult:
-    """Trains to config.train.steps (or until `stop_after` steps in this call, for tests)."""
-    tcfg, dcfg = config.train, config.data
+    """Runs the curriculum (TrainConfig.stages, or one stage of DataConfig) from where `workdir`
+    left off, to its end or until `stop_after` steps ran in this call (for tests)."""
+    tcfg = config.train
+    plan = stages_lib.plan_stages(config, jax.process_count())  # config errors before any compile
     os.makedirs(workdir, exist_ok=True)
-    procs, rank = jax.process_count(), jax.process_index()
-    micro_shape = (dcfg.batch_size * procs // tcfg.grad_accum, dcfg.seq_len)
-    shardings, init_fn, step_fn, eval_fn = _compiled_functions(
-        config.model, _step_relevant(tcfg), micro_shape, config.mesh)
-    state = init_fn()
-    train_iter = data_lib.make_train_iterator(dcfg, shard_index=rank, shard_count=procs)
-    eval_batches = [_global_batch(b, shardings.batch) for b in data_lib.make_eval_batches(
-        dcfg, tcfg.eval_batches, shard_index=rank, shard_count=procs)]
-    bytes_per_token = data_lib.bytes_per_token(dcfg)
-
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), tcfg.keep_checkpoints)
-    restored = ckpt.restore_latest(abstract_like(state))
-    if restored is not None:
-        step0, state, data_state = restored
-        train_iter.set_state(data_state)
-        logging.info("Resumed from step %d in %s", step0, workdir)
-
-    flops = model_flops_per_token(config.model, dcfg.seq_len)
+    state, position = _initial_state(config, plan[0], ckpt, workdir)
+    rank, step = jax.process_index(), int(state.step)
     peak = tcfg.peak_tflops * 1e12 or metrics_lib.measured_peak_flops(
         jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32)
     writer = metrics_lib.MetricsWriter(workdir) if rank == 0 else _NoWriter()
-    tokens_per_step = dcfg.batch_size * procs * dcfg.seq_len
-    step = int(state.step)
     end = tcfg.steps if stop_after is None else min(tcfg.steps, step + stop_after)
-    bar = _progress(tcfg.steps, step, progress and rank == 0)
-    meter, last_rate, last_eval = metrics_lib.Throughput(), 0.0, {}
-    interrupted = False
-
     with _StopFlag() as stop:
-        while step < end:
-            batch = _global_batch(next(train_iter), shardings.batch)
-            state, m = step_fn(state, batch)
-            step += 1
-            meter.add(tokens_per_step)
-            if not bool(m["finite"]):
-                if tcfg.on_nonfinite == "stop":
-                    ckpt.save(step - 1, state, train_iter.get_state())
-                    raise NonFiniteError(f"non-finite loss or gradient at step {step}")
-                logging.warning("Non-finite loss or gradient at step %d: step skipped "
-                                "(%d skipped so far).", step, int(m["skipped_steps"]))
-            if step % tcfg.log_every == 0 or step == end:
-                last_rate = meter.rate()
-                record = _train_record(m, bytes_per_token, last_rate, flops["total"] * 3, peak)
-                writer.write(step, record)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{last_rate:,.0f}")
-            if step % tcfg.eval_every == 0 or step == tcfg.steps:
-                last_eval = evaluate(eval_fn, state.params, state.router, eval_batches,
-                                     bytes_per_token)
-                writer.write(step, last_eval, split="validation")
-                logging.info("step %d validation loss %.4f bits/byte %.4f", step,
-                             last_eval["loss"], last_eval["bits_per_byte"])
-            if bar is not None:
-                bar.update(1)
-            if stop.raised:
-                interrupted = True
-                break
-            if step % tcfg.checkpoint_every == 0:
-                ckpt.save(step, state, train_iter.get_state())
-    ckpt.save(step, state, train_iter.get_state())
+        run = _Run(config, ckpt, writer, _progress(tcfg.steps, step, progress and rank == 0), stop,
+                   end, step, peak, data_lib.bytes_per_token(config.data))
+        while position.stage < len(plan) and run.step < run.end and not stop.raised:
+            state, position = _run_stage(run, plan[position.stage], state, position)
+    ckpt.save(run.step, state, position.to_json())
     ckpt.close()
     writer.close()
-    if bar is not None:
-        bar.close()
-    if step >= tcfg.steps and not interrupted and rank == 0:
-        print(f"done: step {step}, validation loss {last_eval.get('loss', float('nan')):.4f}, "
-              f"bits/byte {last_eval.get('bits_per_byte', float('nan')):.4f}, "
-              f"{last_rate:,.0f} tokens/s, workdir {workdir}")
-    return TrainResult(step, interrupted, last_eval, last_rate)
+    if run.bar is not None:
+        run.bar.close()
+    finished = position.stage == len(plan) or run.step >= tcfg.steps
+    if finished and not stop.raised and rank == 0:
+        print(f"done: step {run.step}, validation loss {run.last_eval.get('loss', float('nan')):.4f}, "
+              f"bits/byte {run.last_eval.get('bits_per_byte', float('nan')):.4f}, "
+              f"{run.last_rate:,.0f} tokens/s, workdir {workdir}")
+    return TrainResult(run.step, stop.raised, run.last_eval, run.last_rate)
+
+
+def _run_stage(run: _Run, stage: stages_lib.Stage, state, position: stages_lib.Position):
+    """Steps through one stage until it ends (its steps, or a plateau), the call's last step or a
+    signal. Returns the state and the position to save: the next stage's start once it ended."""
+    tcfg = run.config.train
+    sr = _enter_stage(run.config, stage, position.iterator)
+    stage_end = position.start_step + stage.config.steps
+    meter, plateau = metrics_lib.Throughput(), position.plateau
+    if run.bar is not None and tcfg.stages:
+        run.bar.set_description(f"stage {stage.index} (T={stage.seq_len})")
+    while True:
+        state, m = sr.step_fn(state, _global_batch(next(sr.train_iter), sr.shardings.batch))
+        run.step += 1
+        meter.add(stage.tokens_per_step)
+        _check_finite(run, state, m, _current(position, plateau, sr))
+        if run.step % tcfg.log_every == 0 or run.step in (run.end, stage_end):
+            _log_train(run, sr, m, meter)
+        if run.step % tcfg.eval_every == 0 or run.step >= stage_end:
+            _validate(run, sr, state)
+            plateau = plateau.update(run.last_eval["loss"], stage.config.min_delta)
+        if run.bar is not None:
+            run.bar.update(1)
+        here = _current(position, plateau, sr)
+        if run.step >= stage_end or stage.ends_early(plateau):
+            ended_by = "steps" if run.step >= stage_end else "plateau"
+            return state, _finish_stage(run, stage, state, here, ended_by)
+        if run.stop.raised or run.step >= run.end:
+            return state, here
+        if run.step % tcfg.checkpoint_every == 0:
+            run.ckpt.save(run.step, state, here.to_json())
+
+
+def _current(position: stages_lib.Position, plateau: stages_lib.Plateau,
+             sr: _StageRun) -> stages_lib.Position:
+    return dataclasses.replace(position, plateau=plateau, iterator=sr.train_iter.get_state())
+
+
+def _check_finite(run: _Run, state, m, here: stages_lib.Position) -> None:
+    """The non-finite guard: the step was skipped (logged), or the run stops with a checkpoint."""
+    if bool(m["finite"]):
+        return
+    if run.config.train.on_nonfinite == "stop":
+        run.ckpt.save(run.step - 1, state, here.to_json())
+        raise NonFiniteError(f"non-finite loss or gradient at step {run.step}")
+    logging.warning("Non-finite loss or gradient at step %d: step skipped "
+                    "(%d skipped so far).", run.step, int(m["skipped_steps"]))
+
+
+def _log_train(run: _Run, sr: _StageRun, m, meter: metrics_lib.Throughput) -> None:
+    run.last_rate = meter.rate()
+    record = _train_record(m, run.bytes_per_token, run.last_rate, sr.train_flops_per_token, run.peak)
+    run.writer.write(run.step, record)
+    if run.bar is not None:
+        run.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{run.last_rate:,.0f}")
+
+
+def _validate(run: _Run, sr: _StageRun, state) -> None:
+    """Validation loss at the stage's seq_len (and batch size), written and logged."""
+    run.last_eval = evaluate(sr.eval_fn, state.params, state.router, sr.eval_batches,
+                             run.bytes_per_token)
+    run.writer.write(run.step, run.last_eval, split="validation")
+    logging.info("step %d validation loss %.4f bits/byte %.4f", run.step,
+                 run.last_eval["loss"], run.last_eval["bits_per_byte"])
+
+
+def _finish_stage(run: _Run, stage: stages_lib.Stage, state, here: stages_lib.Position,
+                  ended_by: str) -> stages_lib.Position:
+    """Logs the stage summary and checkpoints the switch to the next stage.
+
+    Without TrainConfig.stages the one stage stays current, iterator and all, as before curricula
+    existed: raising TrainConfig.steps in a finished workdir trains on from where it stopped.
+    """
+    if not run.config.train.stages:
+        run.ckpt.save(run.step, state, here.to_json())
+        return here
+    summary = stages_lib.stage_summary(stage, here, run.step, run.last_eval, ended_by)
+    run.writer.write(run.step, summary, split="stage")
+    logging.info("stage %d done (%s): seq_len %d, %d steps, validation loss %.4f",
+                 stage.index, ended_by, stage.seq_len, summary["steps"], summary["validation_loss"])
+    following = here.next_stage(run.step)
+    run.ckpt.save(run.step, state, following.to_json())
+    return following
 
 
 def _train_record(m: dict[str, Any], bytes_per_token: float, tokens_per_s: float,

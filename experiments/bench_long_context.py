@@ -1,0 +1,161 @@
+"""Forward+backward of a whole model at long context on one accelerator, split by layer type.
+
+    python -m experiments.bench_long_context --gin_file=configs/small_h200.gin \
+        --lengths=8192,65536,262144,1048576 --out=benchmarks/results/long_context_h200
+
+Each length runs in its own process (clean peak-memory counter; an out-of-memory at one length does
+not hide the others). Per length:
+  * step_s: one jitted value_and_grad of the LM loss over one row of T tokens (the config's remat
+    policy), median of --repeats after a warm-up call; peak_gib: the device's peak bytes in use;
+  * kda_s / mla_s / moe_s: forward+backward of one isolated sublayer of each kind on [1, T, d]
+    activations (no remat), times the number of such sublayers in the model. They need not add up to
+    step_s (remat recomputes forwards; the head, norms and residuals are outside them).
+The row is one document of T tokens (no packing): the long-context case itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+flags.DEFINE_multi_string("gin_file", ["configs/small_h200.gin"], "Model config.")
+flags.DEFINE_multi_string("gin_param", [], "Extra bindings.")
+flags.DEFINE_list("lengths", ["8192", "65536", "262144", "1048576"], "Sequence lengths.")
+flags.DEFINE_integer("repeats", 3, "Timed repeats per measurement (median).")
+flags.DEFINE_bool("split", True, "Also time isolated KDA / MLA / MoE sublayers.")
+flags.DEFINE_string("out", "", "Write OUT.json and OUT.md (rows of every length) when set.")
+flags.DEFINE_integer("child_len", 0, "Internal: measure this one length and print its row.")
+FLAGS = flags.FLAGS
+
+ROW_PREFIX = "ROW "
+
+
+def _median_s(fn, *args) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    times = []
+    for _ in range(FLAGS.repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sublayer_s(module, x, *extra) -> float:
+    """Median seconds of forward+backward (w.r.t. params and input) of one module on x."""
+    variables = jax.jit(module.init)(jax.random.PRNGKey(0), x, *extra)
+    params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+
+    def loss(p, x):
+        out = module.apply({"params": p, **rest}, x, *extra, mutable=list(rest))[0]
+        out = out[0] if isinstance(out, tuple) else out
+        return jnp.mean(out.astype(jnp.float32) ** 2)
+
+    return _median_s(jax.jit(jax.grad(loss, argnums=(0, 1))), params, x)
+
+
+def measure(t: int) -> dict:
+    from hybridmoe import load_config
+    from hybridmoe.layers.common import dtype_of
+    from hybridmoe.layers.kda import KDA
+    from hybridmoe.layers.mla import MLA
+    from hybridmoe.layers.moe import MoE
+    from hybridmoe.model import build_model
+    from hybridmoe.train.step import cross_entropy
+
+    cfg = load_config(FLAGS.gin_file, FLAGS.gin_param).model
+    model = build_model(cfg)
+    rng = np.random.default_rng(t)
+    tokens = jnp.asarray(rng.integers(0, 256, size=(1, t + 1)), jnp.int32)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    segments = jnp.zeros_like(inputs)
+    variables = jax.jit(model.init)(jax.random.PRNGKey(0), inputs[:, :128])
+
+    def loss(params):
+        (logits, aux), _ = model.apply({"params": params, "router": variables["router"]}, inputs,
+                                       segment_ids=segments, mutable=["router"])
+        return cross_entropy(logits, targets, jnp.ones_like(targets, jnp.float32))[0] + aux["aux_loss"]
+
+    step = jax.jit(jax.value_and_grad(loss))
+    start = time.perf_counter()
+    jax.block_until_ready(step(variables["params"]))
+    compile_s = time.perf_counter() - start
+    step_s = _median_s(step, variables["params"])
+    stats = jax.devices()[0].memory_stats() or {}
+    row = {"T": t, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "step_s": step_s, "compile_s": compile_s,
+           "peak_gib": stats.get("peak_bytes_in_use", float("nan")) / 2**30,
+           "tokens_per_s": t / step_s}
+    logging.info("T=%d step %.3f s, peak %.1f GiB", t, step_s, row["peak_gib"])
+    del variables
+    if FLAGS.split:
+        dt = dtype_of(cfg.dtype)
+        common = dict(d_model=cfg.d_model, dtype=dt, param_dtype=dtype_of(cfg.param_dtype),
+                      norm_eps=cfg.norm_eps)
+        x = jnp.asarray(rng.standard_normal((1, t, cfg.d_model)), dt)
+        kinds = cfg.layer_kinds
+        n_moe = len(kinds) - cfg.moe.first_k_dense
+        row["kda_s"] = kinds.count("K") * _sublayer_s(KDA(cfg.kda, **common), x, segments)
+        row["mla_s"] = kinds.count("M") * _sublayer_s(MLA(cfg.mla, **common), x, segments)
+        row["moe_s"] = n_moe * _sublayer_s(MoE(cfg.moe, cfg.router, **common), x)
+        row["kda_us_per_token"] = row["kda_s"] / t * 1e6
+    return row
+
+
+def _run_child(t: int) -> dict:
+    argv = [sys.executable, "-m", "experiments.bench_long_context", f"--child_len={t}",
+            f"--repeats={FLAGS.repeats}", f"--split={FLAGS.split}"]
+    argv += [f"--gin_file={g}" for g in FLAGS.gin_file] + [f"--gin_param={p}" for p in FLAGS.gin_param]
+    # The parent never touches the device; each child may take nearly all of its memory.
+    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith(ROW_PREFIX):
+            return json.loads(line[len(ROW_PREFIX):])
+    tail = (proc.stderr or "").strip().splitlines()[-5:]
+    return {"T": t, "error": " | ".join(tail)}
+
+
+def write_tables(rows: list[dict], out: str) -> None:
+    meta = {"gin_file": FLAGS.gin_file, "gin_param": FLAGS.gin_param,
+            "repeats": FLAGS.repeats, "rows_are": "one row of T tokens, one document"}
+    with open(out + ".json", "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = ["| T | step s | tokens/s | KDA s | MLA s | MoE s | KDA us/token | peak GiB | compile s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['T']} | failed: {r['error'][:120]} |||||||")
+            continue
+        cells = [r["T"], f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.0f}", f"{r.get('kda_s', 0):.3f}",
+                 f"{r.get('mla_s', 0):.3f}", f"{r.get('moe_s', 0):.3f}",
+                 f"{r.get('kda_us_per_token', 0):.3f}", f"{r['peak_gib']:.1f}", f"{r['compile_s']:.0f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    with open(out + ".md", "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv):
+    del argv
+    if FLAGS.child_len:
+        print(ROW_PREFIX + json.dumps(measure(FLAGS.child_len)), flush=True)
+        return
+    rows = []
+    for t in map(int, FLAGS.lengths):
+        rows.append(_run_child(t))
+        print(json.dumps(rows[-1]), flush=True)
+        if FLAGS.out:
+            os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+            write_tables(rows, FLAGS.out)
+
+
+if __name__ == "__main__":
+    app.run(main)
