@@ -1,8 +1,6 @@
 """Per-chunk KDA algebra on 16-row sub-chunk blocks, written with the jnp ops that Pallas kernels lower.
 
-A chunk of C tokens is handled as C/R row blocks of R = 16 rows, each a separate [R, D] value: kernels on GPU cannot
-slice registers, so every quantity lives as a Python list of blocks (or a dict of [R, R] score blocks keyed (i, j),
-j <= i) and is written to or read from refs one block at a time. Everything is fp32; matmuls accumulate in fp32.
+Sub-chunk blocks have R = 16 rows. Everything is fp32; matmuls accumulate in fp32.
 
 Decayed scores  A[r, c] = sum_d x[r, d] y[c, d] e^(gam[r, d] - gam[c, d])  (c <= r)  are one matmul per block pair with
 the row block's first row as anchor rho_i: (x_i * e^(gam_i - rho_i)) (y_j * e^(rho_i - gam_j))^T. Off-diagonal factors
@@ -71,36 +69,6 @@ def element(x, i):
     return jnp.sum(jnp.where(_iota(x.shape, 0) == i, x, 0))
 
 
-def gamma_blocks(g):
-    """Inclusive cumulative log decay over the chunk, block by block. g: list of [R, K] -> list of [R, K]."""
-    rows = g[0].shape[0]
-    out = []
-    for g_i in g:
-        gam = jnp.cumsum(g_i, axis=0)
-        if out:
-            gam = gam + row(out[-1], rows - 1)[None, :]
-        out.append(gam)
-    return out
-
-
-def _causal(rows, strict):
-    r, c = _iota((rows, rows), 0), _iota((rows, rows), 1)
-    return r > c if strict else r >= c
-
-
-def score_masks(doc, *, strict):
-    """Masks of the score block pairs (i, j), j <= i: same document and, on the diagonal, causal.
-
-    doc: list of [R] int document indices. strict=True excludes the diagonal (the L matrix), else includes it (Aqk).
-    """
-    masks = {}
-    for i, d_i in enumerate(doc):
-        for j in range(i + 1):
-            same = d_i[:, None] == doc[j][None, :]
-            masks[i, j] = (same & _causal(d_i.shape[0], strict)) if i == j else same
-    return masks
-
-
 def _pair_decay(gam, c):
     """[R, K] e^(gam[a] - gam[c]) for rows a >= c, 0 above. Masking the exponent, not the exponential: rows above c
     would overflow for an unbounded gate."""
@@ -144,36 +112,13 @@ def pairwise_grads(dscores, xs, y, gam):
     return lax.fori_loop(0, rows, column, (tuple(zeros for _ in xs), zeros))
 
 
-def nilpotent_inverse(n):
-    """(I - N)^-1 = (I + N)(I + N^2)(I + N^4)... for strictly lower n: [R, R], R a power of two (N^R = 0)."""
-    rows = n.shape[0]
-    eye = (_iota((rows, rows), 0) == _iota((rows, rows), 1)).astype(_F32)
-    inverse, power = eye + n, n
-    for _ in range(rows.bit_length() - 2):
+def nilpotent_inverse(n, order):
+    """(I - N)^-1 = (I + N)(I + N^2)(I + N^4)... for n: [C, C] with N^order = 0 (order a power of two)."""
+    size = n.shape[0]
+    eye = (_iota((size, size), 0) == _iota((size, size), 1)).astype(_F32)
+    inverse, power, reach = eye + n, n, 2
+    while reach < order:
         power = mm(power, power)
         inverse = mm(inverse, eye + power)
+        reach *= 2
     return inverse
-
-
-def forward_subst(l, t_diag, rhs):
-    """X = (I + L)^-1 rhs by block forward substitution. l: {(i, j): [R, R]}; t_diag: list of (I + L_ii)^-1;
-    rhs: block index -> [R, D] (computed on demand)."""
-    out = []
-    for i, t_ii in enumerate(t_diag):
-        r = rhs(i)
-        for j in range(i):
-            r = r - mm(l[i, j], out[j])
-        out.append(mm(t_ii, r))
-    return out
-
-
-def backward_subst(l, t_diag, rhs):
-    """X = (I + L)^-T rhs by block backward substitution (the transpose of forward_subst)."""
-    blocks = len(t_diag)
-    out = [None] * blocks
-    for j in reversed(range(blocks)):
-        r = rhs(j)
-        for i in range(j + 1, blocks):
-            r = r - mm_tn(l[i, j], out[i])
-        out[j] = mm_tn(t_diag[j], r)
-    return out

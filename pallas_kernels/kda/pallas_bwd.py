@@ -11,9 +11,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS
-from pallas_kernels.kda.pallas_chunk import ChunkGrads, chunk_backward, chunk_core
-from pallas_kernels.kda.pallas_fwd import (block_writer, chunk_tile, chunk_vector, compiler_params, input_specs,
-                                           ref_chunk, sequence_specs, with_precision)
+from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_core
+from pallas_kernels.kda.pallas_fwd import (chunk_tile, chunk_vector, compiler_params, input_specs, ref_chunk,
+                                           sequence_specs, with_precision)
 
 _F32 = jnp.float32
 
@@ -25,10 +25,11 @@ def _state_grad_kernel(w_ref, qp_ref, kd_ref, d_ref, do_ref, ds_final_ref, ds_ch
 
     def step(i, ds):  # ds: [K, Vt] fp32
         n = num_chunks - 1 - i
+        load = lambda ref: ref[n].astype(_F32)  # noqa: E731
         ds_chunk_ref[n] = ds
-        dv_new = blk.mm(kd_ref[n], ds)
+        dv_new = blk.mm(load(kd_ref), ds)
         dv_new_ref[n] = dv_new
-        return d_ref[n][:, None] * ds + blk.mm_tn(qp_ref[n], do_ref[n].astype(_F32)) - blk.mm_tn(w_ref[n], dv_new)
+        return d_ref[n][:, None] * ds + blk.mm_tn(load(qp_ref), load(do_ref)) - blk.mm_tn(load(w_ref), dv_new)
 
     ds_init_ref[...] = lax.fori_loop(0, num_chunks, step, ds_final_ref[...])
 
@@ -63,10 +64,11 @@ def _state_side_kernel(s0_ref, ds_ref, w_ref, u_ref, do_ref, dv_new_ref, dqp_ref
     `tile` columns at a time so that only a [K, tile] slice of S0 and of dS is live."""
     key_dim, value_dim = s0_ref.shape
     dqp = dw = dkd = dd = 0.0
+    w = w_ref[...].astype(_F32)
     for t in range(value_dim // tile):
         cols = (slice(None), pl.ds(t * tile, tile))
         s0, ds = s0_ref[cols], ds_ref[cols]  # [K, tile]
-        v_new = u_ref[cols] - blk.mm(w_ref[...], s0)
+        v_new = u_ref[cols].astype(_F32) - blk.mm(w, s0)
         dqp = dqp + blk.mm_nt(do_ref[cols].astype(_F32), s0)
         dw = dw - blk.mm_nt(dv_new_ref[cols], s0)
         dkd = dkd + blk.mm_nt(v_new, ds)
@@ -96,35 +98,62 @@ def state_side_grads(s0, ds, w, u, do, dv_new, *, tuning, interpret, precision):
 
 
 @with_precision
-def _intra_grad_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, do_ref, dv_new_ref, dqp_ref,
-                       dw_ref, dkd_ref, dd_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, dense):
+def _score_grad_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, do_ref, du_ref, dqp_ref, dw_ref,
+                       daqk_ref, dakk_ref, dkb_ref, dv_ref, dbeta_ref, *, scale, dense):
     x = ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
-    tile = lambda ref: (lambda i: ref[pl.ds(i * ROWS, ROWS), :].astype(_F32))  # noqa: E731
-    dy = ChunkGrads(do=tile(do_ref), du=tile(dv_new_ref), dqp=tile(dqp_ref), dw=tile(dw_ref), dkd=tile(dkd_ref),
-                    dd=dd_ref[...])
-    emit = block_writer(dict(dq=dq_ref, dk=dk_ref, dv=dv_ref, dg=dg_ref, dbeta=dbeta_ref), scales=dict(dq=scale))
-    chunk_backward(x, chunk_core(x, dense=dense), dy, emit, dense=dense)
+    load = lambda ref: ref[...].astype(_F32)  # noqa: E731
+    daqk, dakk, dkb, dv, dbeta = backward_scores(x, chunk_core(x, dense=dense), load(do_ref), load(du_ref),
+                                                 load(dqp_ref), load(dw_ref))
+    daqk_ref[...], dakk_ref[...], dkb_ref[...], dv_ref[...], dbeta_ref[...] = daqk, dakk, dkb, dv, dbeta[:, 0]
+
+
+@with_precision
+def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_ref, dakk_ref, dkb_ref, dqp_ref,
+                       dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense):
+    x = ref_chunk(q_ref, k_ref, None, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
+    core = chunk_core(x, dense=dense)
+    at = lambda b: (pl.ds(b * ROWS, ROWS), pl.ds(b * ROWS, ROWS))  # noqa: E731
+    dq, dk, dg = backward_inputs(x, core, daqk_ref[...], dakk_ref[...], dkb_ref[...], dqp_ref[...], dkd_ref[...],
+                                 dd_ref[...][None, :], lambda b: (daqk_ref[at(b)], dakk_ref[at(b)]), dense=dense)
+    dq_ref[...], dk_ref[...], dg_ref[...] = dq * scale, dk, dg
 
 
 def intra_grads(q, k, v, g, beta, doc, doc_prev, do, dv_new, dqp, dw, dkd, dd, *, scale, dense, tuning, interpret,
                 precision):
     """Input gradients per value head, chunked like the inputs: dq, dk: [BN, C, HV, K] (to be summed over each
-    q/k head's group), dv: [BN, C, HV, V], dg: [BN, C, HV, K], dbeta: [BN, C, HV], all fp32."""
+    q/k head's group), dv: [BN, C, HV, V], dg: [BN, C, HV, K], dbeta: [BN, C, HV], all fp32.
+
+    Two kernels, each recomputing the chunk's scores: the first goes back through the solve to the score gradients
+    (stored [BN, HV, C, C]), the second through the decayed scores to q, k and g; splitting halves the live tiles.
+    """
     chunks, chunk, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
     per_head = lambda d: pl.BlockSpec((None, chunk, None, d), lambda n, h: (n, 0, h, 0))  # noqa: E731
     shape = lambda d: jax.ShapeDtypeStruct((chunks, chunk, value_heads, d), _F32)  # noqa: E731
-    return pl.pallas_call(
-        functools.partial(_intra_grad_kernel, scale=scale, dense=dense, precision=precision),
+    tile_shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), _F32)  # noqa: E731
+    beta_spec = pl.BlockSpec((None, chunk, None), lambda n, h: (n, 0, h))
+    specs = input_specs(chunk, key_dim, value_dim, value_heads // heads)
+    kw = dict(scale=scale, dense=dense, precision=precision)
+    daqk, dakk, dkb, dv, dbeta = pl.pallas_call(
+        functools.partial(_score_grad_kernel, **kw),
         grid=(chunks, value_heads),
-        in_specs=input_specs(chunk, key_dim, value_dim, value_heads // heads) + [
-            per_head(value_dim), chunk_tile(chunk, value_dim)] + [chunk_tile(chunk, key_dim)] * 3 + [
-            chunk_vector(key_dim)],
-        out_specs=[per_head(key_dim)] * 2 + [per_head(value_dim), per_head(key_dim),
-                                             pl.BlockSpec((None, chunk, None), lambda n, h: (n, 0, h))],
-        out_shape=[shape(key_dim)] * 2 + [shape(value_dim), shape(key_dim),
-                                          jax.ShapeDtypeStruct((chunks, chunk, value_heads), _F32)],
+        in_specs=specs + [per_head(value_dim), chunk_tile(chunk, value_dim)] + [chunk_tile(chunk, key_dim)] * 2,
+        out_specs=[chunk_tile(chunk, chunk)] * 2 + [chunk_tile(chunk, key_dim), per_head(value_dim), beta_spec],
+        out_shape=[tile_shape(chunk)] * 2 + [tile_shape(key_dim), shape(value_dim),
+                                             jax.ShapeDtypeStruct((chunks, chunk, value_heads), _F32)],
         compiler_params=compiler_params(tuning.intra_warps),
         interpret=interpret,
-        name="kda_intra_bwd",
-    )(q, k, v, g, beta, doc, doc_prev, do, dv_new, dqp, dw, dkd, dd)
+        name="kda_score_bwd",
+    )(q, k, v, g, beta, doc, doc_prev, do, dv_new, dqp, dw)
+    dq, dk, dg = pl.pallas_call(
+        functools.partial(_input_grad_kernel, **kw),
+        grid=(chunks, value_heads),
+        in_specs=specs[:2] + specs[3:] + [chunk_tile(chunk, chunk)] * 2 + [chunk_tile(chunk, key_dim)] * 3 + [
+            chunk_vector(key_dim)],
+        out_specs=[per_head(key_dim)] * 3,
+        out_shape=[shape(key_dim)] * 3,
+        compiler_params=compiler_params(tuning.intra_warps),
+        interpret=interpret,
+        name="kda_input_bwd",
+    )(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd)
+    return dq, dk, dv, dg, dbeta

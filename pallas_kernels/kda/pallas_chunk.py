@@ -1,207 +1,229 @@
-"""One chunk of KDA, forward and backward, as streams of 16-row blocks (DESIGN 3.1 "Chunked algorithm" and its
-backward), for the Pallas kernels.
+"""One chunk of KDA, forward and backward, on whole [C, D] tiles (DESIGN 3.1 "Chunked algorithm" and its backward),
+for the Pallas kernels.
 
-Inputs are read block by block on demand and results handed out block by block as soon as they are final: a chunk's
-working set (q, k, v, g and a dozen derived [C, K] tensors) does not fit in registers, and re-reading a block costs
-less than spilling. Only the cumulative decay (gam) and the small [R, R] score blocks stay live throughout.
+Every product is a whole-chunk matmul ([C, K] x [K, C], [C, C] x [C, D]): the tensor cores get 64-row operands and
+the kernels stay a few dozen dots long instead of hundreds of 16x16 ones. The 16-row sub-chunk structure lives in
+masks: row block i of a decayed score matrix is (Q e^(gam - a_i)) (K e^(a_i - gam))^T with a_i the cumulative decay
+of the block's FIRST row, the column factor masked to the columns the block may see (its exponent set to -inf before
+the exp, never after), the product kept on block i's rows only. Under the bound the diagonal block is part of that
+one product (dense); without it, the columns stop before the block and the diagonal is summed pair by pair on 16-row
+blocks read from the refs (exact), then placed into the tile with exact (fp32 FMA) one-hot matmuls.
 """
 
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from pallas_kernels.kda.pallas_blocks import (ROWS, backward_subst, forward_subst, gamma_blocks, mm, mm_nt, mm_tn,
-                                              nilpotent_inverse, pairwise_columns, pairwise_grads, row,
-                                              score_masks)
+from pallas_kernels.kda.pallas_blocks import (ROWS, mm, mm_nt, mm_tn, nilpotent_inverse, pairwise_columns,
+                                              pairwise_grads, row)
+
+_F32 = jnp.float32
 
 
 class ChunkIn(NamedTuple):
-    """One chunk's inputs: block index -> fp32 block, read on each call."""
+    """One chunk's inputs as fp32 tiles."""
 
-    blocks: int
-    q: Callable  # [R, K], already scaled
-    k: Callable  # [R, K]
-    v: Callable  # [R, V]
-    g: Callable  # [R, K] per-step log decay
-    beta: Callable  # [R]
-    doc: Callable  # [R] int32 document index
+    q: jax.Array  # [C, K], already scaled
+    k: jax.Array  # [C, K]
+    v: jax.Array  # [C, V] (None where a kernel does not need it)
+    g: jax.Array  # [C, K] per-step log decay
+    beta: jax.Array  # [C, 1]
+    doc: jax.Array  # [C] int32 document index
     doc_in: jax.Array  # scalar: document of the incoming state
     doc_last: jax.Array  # scalar: document of the chunk's last token
+    blocks: Callable  # b -> (q_b, k_b) [R, K]: 16-row blocks for the pairwise diagonal
 
-    def reads(self, i):
-        """[R, 1] bool: the row's document is the incoming state's (only those rows read S0)."""
-        return (self.doc(i) == self.doc_in)[:, None]
+    @property
+    def reads(self):
+        """[C, 1] bool: rows of the incoming state's document (only they read S0)."""
+        return (self.doc == self.doc_in)[:, None]
 
-    def in_last(self, i):
-        """[R, 1] bool: the row belongs to the chunk's last document (only those rows reach the outgoing state)."""
-        return (self.doc(i) == self.doc_last)[:, None]
+    @property
+    def in_last(self):
+        """[C, 1] bool: rows of the chunk's last document (only they reach the outgoing state)."""
+        return (self.doc == self.doc_last)[:, None]
+
+
+def _iota(shape, axis):
+    return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def _exact(a, b, dims):
+    """fp32 FMA matmul (no TF32 rounding): moves blocks in and out of tiles through one-hot matrices."""
+    return lax.dot_general(a, b, (dims, ((), ())), precision=lax.Precision.HIGHEST, preferred_element_type=_F32)
+
+
+def _one_hot(size, b):
+    """[C, R]: E[r, j] = 1 where r = R b + j."""
+    return (_iota((size, ROWS), 0) == _iota((size, ROWS), 1) + ROWS * b).astype(_F32)
+
+
+def take_rows(x, b):
+    """Rows of block b: [C, D] -> [R, D]."""
+    return _exact(_one_hot(x.shape[0], b), x, ((0,), (0,)))
+
+
+def put_rows(x_b, b, size):
+    """[R, D] -> [C, D], zero outside block b."""
+    return _exact(_one_hot(size, b), x_b, ((1,), (0,)))
+
+
+def put_block(x_bb, b, size):
+    """[R, R] -> [C, C], zero outside the diagonal block b."""
+    e = _one_hot(size, b)
+    return _exact(_exact(e, x_bb, ((1,), (0,))), e, ((1,), (1,)))
+
+
+class Decay(NamedTuple):
+    gam: jax.Array  # [C, K] inclusive cumulative log decay
+    anchors: list  # a_i: [1, K] gam of block i's first row
+    row_block: jax.Array  # [C, 1] block index of each row
+    row_factor: jax.Array  # [C, K] e^(gam - a_(block of the row)) <= 1
+
+
+def decay(g):
+    gam = jnp.cumsum(g, axis=0)
+    size = gam.shape[0]
+    row_block = _iota((size, 1), 0) // ROWS
+    anchors = [row(gam, ROWS * i)[None, :] for i in range(size // ROWS)]
+    anchor = sum(jnp.where(row_block == i, a, 0.0) for i, a in enumerate(anchors))
+    return Decay(gam, anchors, row_block, jnp.exp(gam - anchor))
+
+
+def column_blocks(dec, *, dense):
+    """(i, e^(a_i - gam) on the columns row block i reads through the anchored product, 0 beyond): [C, K]."""
+    out = []
+    for i, a in enumerate(dec.anchors):
+        limit = ROWS * (i + 1 if dense else i)
+        if limit:
+            out.append((i, jnp.exp(jnp.where(_iota(dec.gam.shape, 0) < limit, a - dec.gam, -jnp.inf))))
+    return out
+
+
+def masks(doc):
+    """Same-document causal masks [C, C]: Aqk (c <= r) and L (c < r)."""
+    size = doc.shape[0]
+    r, c = _iota((size, size), 0), _iota((size, size), 1)
+    same = doc[:, None] == doc[None, :]
+    return same & (r >= c), same & (r > c)
+
+
+def scores(x: ChunkIn, dec: Decay, *, dense):
+    """Masked decayed scores: Aqk [C, C] (c <= r) and Akk [C, C] (c < r)."""
+    size = x.q.shape[0]
+    qt, kt = x.q * dec.row_factor, x.k * dec.row_factor
+    aqk = akk = jnp.zeros((size, size), _F32)
+    for i, col_factor in column_blocks(dec, dense=dense):
+        kc = x.k * col_factor
+        on_block = dec.row_block == i
+        aqk = aqk + jnp.where(on_block, mm_nt(qt, kc), 0.0)
+        akk = akk + jnp.where(on_block, mm_nt(kt, kc), 0.0)
+    if not dense:
+        for b in range(size // ROWS):
+            q_b, k_b = x.blocks(b)
+            diag_qk, diag_kk = pairwise_columns((q_b, k_b), k_b, take_rows(dec.gam, b))
+            aqk, akk = aqk + put_block(diag_qk, b, size), akk + put_block(diag_kk, b, size)
+    mask_qk, mask_kk = masks(x.doc)
+    return jnp.where(mask_qk, aqk, 0.0), jnp.where(mask_kk, akk, 0.0)
+
+
+def unit_lower_inverse(l):
+    """(I + L)^-1 for strictly lower L [C, C]: the 16x16 diagonal blocks D by Neumann products (N^16 = 0), then
+    (I + L)^-1 = (I + M)^-1 (I + D)^-1 with M = (I + D)^-1 (L - D) strictly block-lower (M^(C/16) = 0)."""
+    size = l.shape[0]
+    same_block = _iota((size, size), 0) // ROWS == _iota((size, size), 1) // ROWS
+    t_diag = nilpotent_inverse(-jnp.where(same_block, l, 0.0), ROWS)
+    if size == ROWS:
+        return t_diag
+    m = mm(t_diag, jnp.where(same_block, 0.0, l))
+    return mm(nilpotent_inverse(-m, size // ROWS), t_diag)
 
 
 class Core(NamedTuple):
-    """What both passes derive first: the decay and the masked score blocks {(i, j): [R, R]}, j <= i."""
+    """What both passes derive first."""
 
-    gam: list  # [R, K] inclusive cumulative log decay
-    g_last: jax.Array  # [K] gam of the chunk's last row
-    aqk: dict  # decayed q.k, causal, same document
-    akk: dict  # decayed k.k, strictly causal, same document
-    l: dict  # diag(beta) akk
-    t_diag: list  # (I + L_ii)^-1
+    dec: Decay
+    aqk: jax.Array  # [C, C]
+    akk: jax.Array  # [C, C]
+    t: jax.Array  # [C, C] (I + diag(beta) Akk)^-1
+    k_base: jax.Array  # [C, K] K e^gam on rows that read S0 (else 0)
+    kd_scale: jax.Array  # [C, K] e^(g_last - gam) on the last document's rows (else 0)
+    carried: jax.Array  # [1, K] e^g_last, the decay of S0 across the chunk (0 when a document starts inside)
 
 
 def chunk_core(x: ChunkIn, *, dense) -> Core:
-    gam = gamma_blocks([x.g(i) for i in range(x.blocks)])
-    aqk, akk = {}, {}
-    for i, gam_i in enumerate(gam):
-        # Anchor on the row block's first row: off-diagonal factors <= 1, diagonal ones <= e^(15 |g_min|).
-        anchor = row(gam_i, 0)[None, :]
-        row_factor = jnp.exp(gam_i - anchor)
-        xq, xk = x.q(i) * row_factor, x.k(i) * row_factor
-        for j in range(i + 1 if dense else i):
-            y = x.k(j) * jnp.exp(anchor - gam[j])
-            aqk[i, j], akk[i, j] = mm_nt(xq, y), mm_nt(xk, y)
-        if not dense:
-            k_i = x.k(i)
-            aqk[i, i], akk[i, i] = pairwise_columns((x.q(i), k_i), k_i, gam_i)
-    doc = [x.doc(i) for i in range(x.blocks)]
-    mask_qk, mask_kk = score_masks(doc, strict=False), score_masks(doc, strict=True)
-    aqk = {ij: jnp.where(mask_qk[ij], a, 0.0) for ij, a in aqk.items()}
-    akk = {ij: jnp.where(mask_kk[ij], a, 0.0) for ij, a in akk.items()}
-    l = {(i, j): x.beta(i)[:, None] * a for (i, j), a in akk.items()}
-    t_diag = [nilpotent_inverse(-l[i, i]) for i in range(x.blocks)]
-    return Core(gam, row(gam[-1], ROWS - 1), aqk, akk, l, t_diag)
+    dec = decay(x.g)
+    aqk, akk = scores(x, dec, dense=dense)
+    t = unit_lower_inverse(x.beta * akk)
+    g_last = row(dec.gam, dec.gam.shape[0] - 1)[None, :]
+    k_base = jnp.where(x.reads, x.k * jnp.exp(dec.gam), 0.0)
+    kd_scale = jnp.where(x.in_last, jnp.exp(g_last - dec.gam), 0.0)
+    carried = jnp.where(x.doc_last == x.doc_in, jnp.exp(g_last), 0.0)
+    return Core(dec, aqk, akk, t, k_base, kd_scale, carried)
 
 
-def _k_base(x, core, i):
-    """K e^gam on rows that read S0 (else 0): kb = diag(beta) k_base feeds w."""
-    return jnp.where(x.reads(i), x.k(i) * jnp.exp(core.gam[i]), 0.0)
+def chunk_forward(x: ChunkIn, core: Core):
+    """w, u (v_new = u - w S0), qp (o = ol + qp S0), ol, kd (S_C = D S0 + kd^T v_new) and D = carried."""
+    w = mm(core.t, x.beta * core.k_base)
+    u = mm(core.t, x.beta * x.v)
+    qp = jnp.where(x.reads, x.q * jnp.exp(core.dec.gam), 0.0) - mm(core.aqk, w)
+    ol = mm(core.aqk, u)
+    return dict(w=w, u=u, qp=qp, ol=ol, kd=x.k * core.kd_scale, d=core.carried)
 
 
-def _solve_w(x, core):
-    return forward_subst(core.l, core.t_diag, lambda i: x.beta(i)[:, None] * _k_base(x, core, i))
+def backward_scores(x: ChunkIn, core: Core, do, du, dqp, dw):
+    """First half of the chunk's backward: through ol = Aqk u, qp = qd - Aqk w, u = T vb, w = T kb, T = (I + L)^-1.
 
-
-def _solve_u(x, core):
-    return forward_subst(core.l, core.t_diag, lambda i: x.beta(i)[:, None] * x.v(i))
-
-
-def _kd_scale(x, core, i):
-    """e^(g_last - gam) on the last document's rows (else 0): kd = k * kd_scale carries rows to the chunk's end."""
-    return jnp.where(x.in_last(i), jnp.exp(core.g_last[None, :] - core.gam[i]), 0.0)
-
-
-def carried_decay(x, core):
-    """[K] e^g_last, the decay of S0 across the chunk, or 0 when a document starts inside the chunk."""
-    return jnp.where(x.doc_last == x.doc_in, jnp.exp(core.g_last), 0.0)
-
-
-def chunk_forward(x: ChunkIn, core: Core, emit):
-    """Calls emit(name, i, block) with name in w, u ([R, K], [R, V]: v_new = u - w S0), qp ([R, K]: o = ol + qp S0),
-    ol ([R, V]) and kd ([R, K]: S_C = D S0 + kd^T v_new), one block at a time."""
-    w = _solve_w(x, core)
-    u = _solve_u(x, core)
-    for i in range(x.blocks):
-        emit("w", i, w[i])
-        emit("u", i, u[i])
-        qp = jnp.where(x.reads(i), x.q(i) * jnp.exp(core.gam[i]), 0.0)
-        ol = 0.0
-        for j in range(i + 1):
-            qp = qp - mm(core.aqk[i, j], w[j])
-            ol = ol + mm(core.aqk[i, j], u[j])
-        emit("qp", i, qp)
-        emit("ol", i, ol)
-        emit("kd", i, x.k(i) * _kd_scale(x, core, i))
-
-
-class ChunkGrads(NamedTuple):
-    """Cotangents reaching the chunk's state-independent quantities (block index -> block)."""
-
-    do: Callable  # [R, V] d ol = dO
-    du: Callable  # [R, V] d u = dV_new
-    dqp: Callable  # [R, K] dO S0^T
-    dw: Callable  # [R, K] -dV_new S0^T
-    dkd: Callable  # [R, K] V_new dS_C^T
-    dd: jax.Array  # [K] sum_v S0 * dS_C
-
-
-def chunk_backward(x: ChunkIn, core: Core, dy: ChunkGrads, emit, *, dense):
-    """Calls emit(name, i, block) with dq (w.r.t. the scaled q), dk, dv, dg ([R, D]) and dbeta ([R]).
-
-    ol = Aqk u and qp = qd - Aqk w give dAqk and the totals du, dw; u = T vb and w = T kb with T = (I + L)^-1 give
-    d(vb) = T^T du, d(kb) = T^T dw and dL = -d(vb) u^T - d(kb) w^T. The u side runs to completion before the w side
-    starts, so only one of them is live at a time.
+    do, du: [C, V] (dO, dV_new); dqp, dw: [C, K]. Returns dAqk, dAkk [C, C] (masked), d(kb) [C, K], dv [C, V] and the
+    part of dbeta [C, 1] that does not go through the scores' decay.
     """
-    doc = [x.doc(i) for i in range(x.blocks)]
-    mask_qk, mask_kk = score_masks(doc, strict=False), score_masks(doc, strict=True)
-    u = _solve_u(x, core)
-    daqk = {(i, j): mm_nt(dy.do(i), u[j]) for (i, j) in core.aqk}
-    dvb = backward_subst(core.l, core.t_diag, lambda j: dy.du(j) + sum(
-        mm_tn(core.aqk[i, j], dy.do(i)) for i in range(j, x.blocks)))
-    dl = {(i, j): -mm_nt(dvb[i], u[j]) for (i, j) in core.l}
-    dbeta = [jnp.sum(dvb[i] * x.v(i), axis=1) for i in range(x.blocks)]
-    for i in range(x.blocks):
-        emit("dv", i, x.beta(i)[:, None] * dvb[i])
-    del u, dvb
-    w = _solve_w(x, core)
-    daqk = {(i, j): jnp.where(mask_qk[i, j], a - mm_nt(dy.dqp(i), w[j]), 0.0) for (i, j), a in daqk.items()}
-    dkb = backward_subst(core.l, core.t_diag, lambda j: dy.dw(j) - sum(
-        mm_tn(core.aqk[i, j], dy.dqp(i)) for i in range(j, x.blocks)))
-    dl = {(i, j): jnp.where(mask_kk[i, j], a - mm_nt(dkb[i], w[j]), 0.0) for (i, j), a in dl.items()}
-    del w
-    dakk = {(i, j): x.beta(i)[:, None] * a for (i, j), a in dl.items()}
-    for i in range(x.blocks):
-        dbeta[i] = dbeta[i] + jnp.sum(dkb[i] * _k_base(x, core, i), axis=1) + sum(
-            jnp.sum(dl[i, j] * core.akk[i, j], axis=1) for j in range(i + 1))
-    # Two terms would cancel inside the reverse cumulative sum below and leave rounding noise that is large next to a
-    # small dg (strong decay): the diagonal q_r.k_r of Aqk does not depend on the decay at all, so it is taken out of
-    # the score gradients and added to dq, dk directly; and kd_r = k_r e^(sum of g after r) reaches dg as an
-    # exclusive prefix sum rather than as "+ every row, - its own row".
-    eye = jnp.eye(ROWS, dtype=bool)
-    kd_term = lambda i: x.k(i) * _kd_scale(x, core, i) * dy.dkd(i)  # noqa: E731
-    kd_prefix = [0.0]
-    for i in range(x.blocks - 1):
-        kd_prefix.append(kd_prefix[-1] + jnp.sum(kd_term(i), axis=0)[None, :])
-    carry = (carried_decay(x, core) * dy.dd)[None, :]  # e^g_last multiplies S0: its gradient reaches every row
-    for j in reversed(range(x.blocks)):
-        diag = jnp.sum(jnp.where(eye, daqk[j, j], 0.0), axis=1)[:, None]
-        daqk[j, j] = jnp.where(eye, 0.0, daqk[j, j])
-        dxq, dxk, dyk = _score_grads(x, core, daqk, dakk, j, dense=dense)
-        q_j, k_j, b_j = x.q(j), x.k(j), x.beta(j)[:, None]
-        reads, decay, dkb_j, dqp_j, dkd_j = x.reads(j), jnp.exp(core.gam[j]), dkb[j], dy.dqp(j), dy.dkd(j)
-        emit("dq", j, dxq + diag * k_j + jnp.where(reads, decay, 0.0) * dqp_j)
-        emit("dk", j, dyk + dxk + diag * q_j + jnp.where(reads, b_j * decay, 0.0) * dkb_j
-             + _kd_scale(x, core, j) * dkd_j)
-        dgam = q_j * dxq + k_j * (dxk - dyk) + jnp.where(reads, (b_j * k_j * dkb_j + q_j * dqp_j) * decay, 0.0)
-        total = jnp.sum(dgam, axis=0)[None, :]
-        kd_j = kd_term(j)
-        emit("dg", j, carry + total - jnp.cumsum(dgam, axis=0) + dgam  # transpose of the cumulative sum
-             + kd_prefix[j] + jnp.cumsum(kd_j, axis=0) - kd_j)
-        carry = carry + total
-        emit("dbeta", j, dbeta[j])
+    w = mm(core.t, x.beta * core.k_base)
+    u = mm(core.t, x.beta * x.v)
+    mask_qk, mask_kk = masks(x.doc)
+    daqk = jnp.where(mask_qk, mm_nt(do, u) - mm_nt(dqp, w), 0.0)
+    dvb = mm_tn(core.t, du + mm_tn(core.aqk, do))
+    dkb = mm_tn(core.t, dw - mm_tn(core.aqk, dqp))
+    dl = jnp.where(mask_kk, -(mm_nt(dvb, u) + mm_nt(dkb, w)), 0.0)
+    dbeta = (jnp.sum(dvb * x.v, axis=1) + jnp.sum(dkb * core.k_base, axis=1) + jnp.sum(dl * core.akk, axis=1))
+    return daqk, x.beta * dl, dkb, x.beta * dvb, dbeta[:, None]
 
 
-def _score_grads(x, core, daqk, dakk, j, *, dense):
-    """Block j's gradients through the decayed scores: towards q_j and k_j as rows, and k_j as columns.
+def backward_inputs(x: ChunkIn, core: Core, daqk, dakk, dkb, dqp, dkd, dd, diag_blocks, *, dense):
+    """Second half: through the decayed scores and the decay factors to dq (w.r.t. the scaled q), dk and dg.
 
-    Rows use the forward's anchor (block j's first row). Columns anchor on block j's LAST row sigma, so that every
-    later row block's factor e^(gam_i - sigma) is <= 1 and e^(sigma - gam_j) <= 1.
+    diag_blocks(b) -> (dAqk_bb, dAkk_bb) [R, R] (pairwise path only). dd: [1, K].
     """
-    gam = core.gam
-    anchor = row(gam[j], 0)[None, :]
-    dxq = dxk = 0.0
-    for c in range(j + 1 if dense else j):
-        y = x.k(c) * jnp.exp(anchor - gam[c])
-        dxq, dxk = dxq + mm(daqk[j, c], y), dxk + mm(dakk[j, c], y)
-    row_factor = jnp.exp(gam[j] - anchor)
-    dxq, dxk = dxq * row_factor, dxk * row_factor
-    sigma = row(gam[j], ROWS - 1)[None, :]
-    dyk = 0.0
-    for i in range(j if dense else j + 1, x.blocks):
-        factor = jnp.exp(gam[i] - sigma)
-        dyk = dyk + mm_tn(daqk[i, j], x.q(i) * factor) + mm_tn(dakk[i, j], x.k(i) * factor)
-    dyk = dyk * jnp.exp(sigma - gam[j])
+    dec, size = core.dec, x.q.shape[0]
+    eye = _iota((size, size), 0) == _iota((size, size), 1)
+    # The diagonal q_r.k_r of Aqk has no decay: taken out of the score gradients so that its terms in dgam
+    # (q dq - k dk, equal and opposite) do not leave rounding noise next to a small dg.
+    diag = jnp.sum(jnp.where(eye, daqk, 0.0), axis=1)[:, None]
+    daqk = jnp.where(eye, 0.0, daqk)
+    qt, kt = x.q * dec.row_factor, x.k * dec.row_factor
+    dqt = dkt = dyk = jnp.zeros_like(x.q)
+    for i, col_factor in column_blocks(dec, dense=dense):
+        on_block = dec.row_block == i
+        da_i, dk_i = jnp.where(on_block, daqk, 0.0), jnp.where(on_block, dakk, 0.0)
+        kc = x.k * col_factor
+        dqt, dkt = dqt + mm(da_i, kc), dkt + mm(dk_i, kc)
+        dyk = dyk + (mm_tn(da_i, qt) + mm_tn(dk_i, kt)) * col_factor
+    dxq, dxk = dqt * dec.row_factor, dkt * dec.row_factor
     if not dense:
-        k_j = x.k(j)
-        (diag_dxq, diag_dxk), diag_dy = pairwise_grads((daqk[j, j], dakk[j, j]), (x.q(j), k_j), k_j, gam[j])
-        dxq, dxk, dyk = dxq + diag_dxq, dxk + diag_dxk, dyk + diag_dy
-    return dxq, dxk, dyk
+        for b in range(size // ROWS):
+            q_b, k_b = x.blocks(b)
+            daqk_bb, dakk_bb = diag_blocks(b)
+            daqk_bb = jnp.where(_iota((ROWS, ROWS), 0) == _iota((ROWS, ROWS), 1), 0.0, daqk_bb)
+            (dq_b, dk_b), dy_b = pairwise_grads((daqk_bb, dakk_bb), (q_b, k_b), k_b, take_rows(dec.gam, b))
+            dxq, dxk = dxq + put_rows(dq_b, b, size), dxk + put_rows(dk_b, b, size)
+            dyk = dyk + put_rows(dy_b, b, size)
+    decay_in = jnp.where(x.reads, jnp.exp(dec.gam), 0.0)
+    dq = dxq + diag * x.k + decay_in * dqp
+    dk = dyk + dxk + diag * x.q + x.beta * decay_in * dkb + core.kd_scale * dkd
+    dgam = x.q * dxq + x.k * (dxk - dyk) + (x.beta * x.k * dkb + x.q * dqp) * decay_in
+    # kd_r = k_r e^(g_last - gam_r) depends on the gates after r: an exclusive prefix sum, not "+ all - own row".
+    kd_term = x.k * core.kd_scale * dkd
+    dg = (core.carried * dd + jnp.sum(dgam, axis=0)[None, :] - jnp.cumsum(dgam, axis=0) + dgam
+          + jnp.cumsum(kd_term, axis=0) - kd_term)
+    return dq, dk, dg

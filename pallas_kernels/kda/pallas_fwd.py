@@ -1,7 +1,7 @@
 """Forward KDA kernels: the per-chunk part (parallel over chunks) and the inter-chunk state scan (sequential).
 
 Layouts: every array is split into chunks, [B * N, C, ...] (inputs: a free reshape of [B, T, ...]); intermediates
-are per chunk and value head, [B * N, HV, C, D] fp32, so the scan reads each chunk as one contiguous tile. The
+are per chunk and value head, [B * N, HV, C, D] (bf16 for bf16 inputs), so the scan reads each chunk as one contiguous tile. The
 per-chunk kernels then never see T: their compiled code is the same for every sequence length and batch size.
 """
 
@@ -16,7 +16,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS
-from pallas_kernels.kda.pallas_chunk import ChunkIn, carried_decay, chunk_core, chunk_forward
+from pallas_kernels.kda.pallas_chunk import ChunkIn, chunk_core, chunk_forward
 
 _F32 = jnp.float32
 
@@ -26,7 +26,7 @@ class Tuning:
     """Launch parameters. state_tile: value columns per program of the scans (more programs, less work each)."""
 
     state_tile: int = 32
-    intra_warps: int = 8
+    intra_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
 
@@ -36,30 +36,15 @@ def compiler_params(warps, stages=None):
 
 
 def ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale):
-    """A ChunkIn reading 16-row blocks from a kernel's [C, D] input tiles on every use."""
-    rows = ROWS
+    """A ChunkIn of a kernel's [C, D] input tiles (v_ref may be None)."""
     size = q_ref.shape[0]
-    at = lambda i: pl.ds(i * rows, rows)  # noqa: E731
-    tile = lambda ref, mult=None: (  # noqa: E731
-        lambda i: ref[at(i), :].astype(_F32) if mult is None else ref[at(i), :].astype(_F32) * mult)
+    load = lambda ref: ref[...].astype(_F32)  # noqa: E731
+    block = lambda ref, b: ref[pl.ds(b * ROWS, ROWS), :].astype(_F32)  # noqa: E731
+    doc = doc_ref[...]
     return ChunkIn(
-        blocks=size // rows, q=tile(q_ref, scale), k=tile(k_ref), v=tile(v_ref), g=tile(g_ref),
-        beta=lambda i: beta_ref[at(i)].astype(_F32), doc=lambda i: doc_ref[at(i)],
-        doc_in=blk.element(prev_ref[pl.ds(0, rows)], 0),
-        doc_last=blk.element(doc_ref[pl.ds(size - rows, rows)], rows - 1))
-
-
-def block_writer(refs, *, scales=None):
-    """emit(name, i, block) for chunk_forward / chunk_backward: stores block i into refs[name] ([C, D] or [C])."""
-    scales = scales or {}
-
-    def emit(name, i, block):
-        ref = refs[name]
-        block = block * scales[name] if name in scales else block
-        idx = (pl.ds(i * ROWS, ROWS),) + (slice(None),) * (len(ref.shape) - 1)
-        ref[idx] = block.astype(ref.dtype)
-
-    return emit
+        q=load(q_ref) * scale, k=load(k_ref), v=None if v_ref is None else load(v_ref), g=load(g_ref),
+        beta=load(beta_ref)[:, None], doc=doc, doc_in=blk.element(prev_ref[...], 0),
+        doc_last=blk.element(doc, size - 1), blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b)))
 
 
 def with_precision(kernel):
@@ -77,9 +62,10 @@ def with_precision(kernel):
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref,
                   w_ref, qp_ref, kd_ref, u_ref, ol_ref, d_ref, *, scale, dense):
     x = ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
-    core = chunk_core(x, dense=dense)
-    chunk_forward(x, core, block_writer(dict(w=w_ref, qp=qp_ref, kd=kd_ref, u=u_ref, ol=ol_ref)))
-    d_ref[...] = carried_decay(x, core)
+    out = chunk_forward(x, chunk_core(x, dense=dense))
+    for name, ref in dict(w=w_ref, qp=qp_ref, kd=kd_ref, u=u_ref, ol=ol_ref).items():
+        ref[...] = out[name].astype(ref.dtype)
+    d_ref[...] = out["d"][0]
 
 
 def input_specs(chunk, key_dim, value_dim, group):
@@ -101,13 +87,14 @@ def chunk_vector(d):
     return pl.BlockSpec((None, None, d), lambda n, h: (n, h, 0))
 
 
-def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision):
+def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype):
     """Per-chunk quantities. q, k: [BN, C, H, K]; v: [BN, C, HV, V]; g: [BN, C, HV, K]; beta: [BN, C, HV];
-    doc, doc_prev: [BN, C] int32. Returns w, qp, kd: [BN, HV, C, K]; u, ol: [BN, HV, C, V]; d: [BN, HV, K] (fp32).
+    doc, doc_prev: [BN, C] int32. Returns w, qp, kd: [BN, HV, C, K]; u, ol: [BN, HV, C, V] (store_dtype); d:
+    [BN, HV, K] fp32.
     """
     chunks, chunk, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
-    shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), _F32)  # noqa: E731
+    shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), store_dtype)  # noqa: E731
     return pl.pallas_call(
         functools.partial(_intra_kernel, scale=scale, dense=dense, precision=precision),
         grid=(chunks, value_heads),
@@ -140,9 +127,10 @@ def _scan_kernel(w_ref, qp_ref, kd_ref, u_ref, ol_ref, d_ref, s_init_ref, o_ref,
     def step(n, state):  # state: [K, Vt] fp32, the chunk's incoming state
         if chunk_state_ref:
             chunk_state_ref[0][n] = state
-        v_new = u_ref[n] - blk.mm(w_ref[n], state)
-        o_ref[n] = (ol_ref[n] + blk.mm(qp_ref[n], state)).astype(o_ref.dtype)
-        return d_ref[n][:, None] * state + blk.mm_tn(kd_ref[n], v_new)
+        load = lambda ref: ref[n].astype(_F32)  # noqa: E731
+        v_new = load(u_ref) - blk.mm(load(w_ref), state)
+        o_ref[n] = (load(ol_ref) + blk.mm(load(qp_ref), state)).astype(o_ref.dtype)
+        return d_ref[n][:, None] * state + blk.mm_tn(load(kd_ref), v_new)
 
     s_out_ref[...] = lax.fori_loop(0, d_ref.shape[0], step, s_init_ref[...])
 
