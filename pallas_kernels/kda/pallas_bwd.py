@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS
-from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_core
+from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_core, k_base
 from pallas_kernels.kda.pallas_fwd import (chunk_tile, chunk_vector, compiler_params, input_specs, ref_chunk,
                                            sequence_specs, with_precision)
 
@@ -98,12 +98,13 @@ def state_side_grads(s0, ds, w, u, do, dv_new, *, tuning, interpret, precision):
 
 
 @with_precision
-def _score_grad_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, do_ref, du_ref, dqp_ref, dw_ref,
-                       daqk_ref, dakk_ref, dkb_ref, dv_ref, dbeta_ref, *, scale, dense):
-    x = ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
+def _score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, akk_ref, t_ref, w_ref, u_ref,
+                       do_ref, du_ref, dqp_ref, dw_ref, daqk_ref, dakk_ref, dkb_ref, dv_ref, dbeta_ref):
+    x = ref_chunk(k_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=1.0)
     load = lambda ref: ref[...].astype(_F32)  # noqa: E731
-    daqk, dakk, dkb, dv, dbeta = backward_scores(x, chunk_core(x, dense=dense), load(do_ref), load(du_ref),
-                                                 load(dqp_ref), load(dw_ref))
+    daqk, dakk, dkb, dv, dbeta = backward_scores(
+        x, k_base(x, jnp.cumsum(x.g, axis=0)), *map(load, (aqk_ref, akk_ref, t_ref, w_ref, u_ref, do_ref, du_ref,
+                                                           dqp_ref, dw_ref)))
     daqk_ref[...], dakk_ref[...], dkb_ref[...], dv_ref[...], dbeta_ref[...] = daqk, dakk, dkb, dv, dbeta[:, 0]
 
 
@@ -118,13 +119,13 @@ def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_re
     dq_ref[...], dk_ref[...], dg_ref[...] = dq * scale, dk, dg
 
 
-def intra_grads(q, k, v, g, beta, doc, doc_prev, do, dv_new, dqp, dw, dkd, dd, *, scale, dense, tuning, interpret,
-                precision):
+def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd, dd, *, scale, dense, tuning,
+                interpret, precision):
     """Input gradients per value head, chunked like the inputs: dq, dk: [BN, C, HV, K] (to be summed over each
     q/k head's group), dv: [BN, C, HV, V], dg: [BN, C, HV, K], dbeta: [BN, C, HV], all fp32.
 
-    Two kernels, each recomputing the chunk's scores: the first goes back through the solve to the score gradients
-    (stored [BN, HV, C, C]), the second through the decayed scores to q, k and g; splitting halves the live tiles.
+    saved: the forward's (Aqk, Akk, T, w, u). Two kernels: the first goes back through the solve to the score
+    gradients (stored [BN, HV, C, C]), the second through the decayed scores to q, k and g.
     """
     chunks, chunk, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
@@ -135,22 +136,34 @@ def intra_grads(q, k, v, g, beta, doc, doc_prev, do, dv_new, dqp, dw, dkd, dd, *
     specs = input_specs(chunk, key_dim, value_dim, value_heads // heads)
     kw = dict(scale=scale, dense=dense, precision=precision)
     daqk, dakk, dkb, dv, dbeta = pl.pallas_call(
-        functools.partial(_score_grad_kernel, **kw),
+        functools.partial(_score_grad_kernel, precision=precision),
         grid=(chunks, value_heads),
-        in_specs=specs + [per_head(value_dim), chunk_tile(chunk, value_dim)] + [chunk_tile(chunk, key_dim)] * 2,
+        in_specs=[specs[1]] + specs[2:] + [chunk_tile(chunk, chunk)] * 3 + [
+            chunk_tile(chunk, key_dim), chunk_tile(chunk, value_dim), per_head(value_dim),
+            chunk_tile(chunk, value_dim)] + [chunk_tile(chunk, key_dim)] * 2,
         out_specs=[chunk_tile(chunk, chunk)] * 2 + [chunk_tile(chunk, key_dim), per_head(value_dim), beta_spec],
         out_shape=[tile_shape(chunk)] * 2 + [tile_shape(key_dim), shape(value_dim),
                                              jax.ShapeDtypeStruct((chunks, chunk, value_heads), _F32)],
         compiler_params=compiler_params(tuning.intra_warps),
         interpret=interpret,
         name="kda_score_bwd",
-    )(q, k, v, g, beta, doc, doc_prev, do, dv_new, dqp, dw)
+    )(k, v, g, beta, doc, doc_prev, *saved, do, dv_new, dqp, dw)
+    # Everything after the score gradients is elementwise in the key channel: split K over programs (half the live
+    # tiles each).
+    kt = min(tuning.key_tile, key_dim)
+    group = value_heads // heads
+    qk = pl.BlockSpec((None, chunk, None, kt), lambda n, h, j: (n, 0, h // group, j))
+    head_k = pl.BlockSpec((None, chunk, None, kt), lambda n, h, j: (n, 0, h, j))
+    tile_k = pl.BlockSpec((None, None, chunk, kt), lambda n, h, j: (n, h, 0, j))
+    scores = pl.BlockSpec((None, None, chunk, chunk), lambda n, h, j: (n, h, 0, 0))
+    rows = pl.BlockSpec((None, chunk, None), lambda n, h, j: (n, 0, h))
+    doc_spec = pl.BlockSpec((None, chunk), lambda n, h, j: (n, 0))
+    dd_spec = pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))
     dq, dk, dg = pl.pallas_call(
         functools.partial(_input_grad_kernel, **kw),
-        grid=(chunks, value_heads),
-        in_specs=specs[:2] + specs[3:] + [chunk_tile(chunk, chunk)] * 2 + [chunk_tile(chunk, key_dim)] * 3 + [
-            chunk_vector(key_dim)],
-        out_specs=[per_head(key_dim)] * 3,
+        grid=(chunks, value_heads, key_dim // kt),
+        in_specs=[qk, qk, head_k, rows, doc_spec, doc_spec, scores, scores, tile_k, tile_k, tile_k, dd_spec],
+        out_specs=[head_k] * 3,
         out_shape=[shape(key_dim)] * 3,
         compiler_params=compiler_params(tuning.intra_warps),
         interpret=interpret,

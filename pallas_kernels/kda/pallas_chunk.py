@@ -141,6 +141,11 @@ def unit_lower_inverse(l):
     return mm(nilpotent_inverse(-m, size // ROWS), t_diag)
 
 
+def k_base(x: ChunkIn, gam):
+    """[C, K] K e^gam on rows that read S0 (else 0): kb = diag(beta) k_base feeds w."""
+    return jnp.where(x.reads, x.k * jnp.exp(gam), 0.0)
+
+
 class Core(NamedTuple):
     """What both passes derive first."""
 
@@ -158,10 +163,9 @@ def chunk_core(x: ChunkIn, *, dense) -> Core:
     aqk, akk = scores(x, dec, dense=dense)
     t = unit_lower_inverse(x.beta * akk)
     g_last = row(dec.gam, dec.gam.shape[0] - 1)[None, :]
-    k_base = jnp.where(x.reads, x.k * jnp.exp(dec.gam), 0.0)
     kd_scale = jnp.where(x.in_last, jnp.exp(g_last - dec.gam), 0.0)
     carried = jnp.where(x.doc_last == x.doc_in, jnp.exp(g_last), 0.0)
-    return Core(dec, aqk, akk, t, k_base, kd_scale, carried)
+    return Core(dec, aqk, akk, t, k_base(x, dec.gam), kd_scale, carried)
 
 
 def chunk_forward(x: ChunkIn, core: Core):
@@ -173,21 +177,24 @@ def chunk_forward(x: ChunkIn, core: Core):
     return dict(w=w, u=u, qp=qp, ol=ol, kd=x.k * core.kd_scale, d=core.carried)
 
 
-def backward_scores(x: ChunkIn, core: Core, do, du, dqp, dw):
-    """First half of the chunk's backward: through ol = Aqk u, qp = qd - Aqk w, u = T vb, w = T kb, T = (I + L)^-1.
+def backward_scores(x: ChunkIn, k_base, aqk, akk, t, w, u, do, du, dqp, dw):
+    """First half of the chunk's backward: through ol = Aqk u, qp = qd - Aqk w, u = T vb, w = T kb, T = (I + L)^-1,
+    from the forward's saved Aqk, Akk, T [C, C] and w, u.
 
     do, du: [C, V] (dO, dV_new); dqp, dw: [C, K]. Returns dAqk, dAkk [C, C] (masked), d(kb) [C, K], dv [C, V] and the
-    part of dbeta [C, 1] that does not go through the scores' decay.
+    part of dbeta [C, 1] that does not go through the scores' decay. The value side runs before the key side, so
+    only one of them is live at a time.
     """
-    w = mm(core.t, x.beta * core.k_base)
-    u = mm(core.t, x.beta * x.v)
+    dvb = mm_tn(t, du + mm_tn(aqk, do))
+    daqk, dl = mm_nt(do, u), -mm_nt(dvb, u)
+    dbeta = jnp.sum(dvb * x.v, axis=1)
+    dv = x.beta * dvb
+    dkb = mm_tn(t, dw - mm_tn(aqk, dqp))
+    daqk, dl = daqk - mm_nt(dqp, w), dl - mm_nt(dkb, w)
     mask_qk, mask_kk = masks(x.doc)
-    daqk = jnp.where(mask_qk, mm_nt(do, u) - mm_nt(dqp, w), 0.0)
-    dvb = mm_tn(core.t, du + mm_tn(core.aqk, do))
-    dkb = mm_tn(core.t, dw - mm_tn(core.aqk, dqp))
-    dl = jnp.where(mask_kk, -(mm_nt(dvb, u) + mm_nt(dkb, w)), 0.0)
-    dbeta = (jnp.sum(dvb * x.v, axis=1) + jnp.sum(dkb * core.k_base, axis=1) + jnp.sum(dl * core.akk, axis=1))
-    return daqk, x.beta * dl, dkb, x.beta * dvb, dbeta[:, None]
+    daqk, dl = jnp.where(mask_qk, daqk, 0.0), jnp.where(mask_kk, dl, 0.0)
+    dbeta = dbeta + jnp.sum(dkb * k_base, axis=1) + jnp.sum(dl * akk, axis=1)
+    return daqk, x.beta * dl, dkb, dv, dbeta[:, None]
 
 
 def backward_inputs(x: ChunkIn, core: Core, daqk, dakk, dkb, dqp, dkd, dd, diag_blocks, *, dense):
@@ -201,14 +208,17 @@ def backward_inputs(x: ChunkIn, core: Core, daqk, dakk, dkb, dqp, dkd, dd, diag_
     # (q dq - k dk, equal and opposite) do not leave rounding noise next to a small dg.
     diag = jnp.sum(jnp.where(eye, daqk, 0.0), axis=1)[:, None]
     daqk = jnp.where(eye, 0.0, daqk)
+    # Column side first, then row side: two accumulators live at a time rather than three.
     qt, kt = x.q * dec.row_factor, x.k * dec.row_factor
-    dqt = dkt = dyk = jnp.zeros_like(x.q)
+    dyk = jnp.zeros_like(x.q)
     for i, col_factor in column_blocks(dec, dense=dense):
         on_block = dec.row_block == i
-        da_i, dk_i = jnp.where(on_block, daqk, 0.0), jnp.where(on_block, dakk, 0.0)
+        dyk = dyk + (mm_tn(jnp.where(on_block, daqk, 0.0), qt) + mm_tn(jnp.where(on_block, dakk, 0.0), kt)) * col_factor
+    dqt = dkt = jnp.zeros_like(x.q)
+    for i, col_factor in column_blocks(dec, dense=dense):
+        on_block = dec.row_block == i
         kc = x.k * col_factor
-        dqt, dkt = dqt + mm(da_i, kc), dkt + mm(dk_i, kc)
-        dyk = dyk + (mm_tn(da_i, qt) + mm_tn(dk_i, kt)) * col_factor
+        dqt, dkt = dqt + mm(jnp.where(on_block, daqk, 0.0), kc), dkt + mm(jnp.where(on_block, dakk, 0.0), kc)
     dxq, dxk = dqt * dec.row_factor, dkt * dec.row_factor
     if not dense:
         for b in range(size // ROWS):

@@ -23,10 +23,12 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Launch parameters. state_tile: value columns per program of the scans (more programs, less work each)."""
+    """Launch parameters. state_tile: value columns per program of the scans (more programs, less work each);
+    key_tile: key channels per program of the per-chunk kernels that are elementwise in the key channel."""
 
     state_tile: int = 32
-    intra_warps: int = 4
+    key_tile: int = 32
+    intra_warps: int = 8
     state_warps: int = 4
     state_stages: int = 2
 
@@ -59,13 +61,16 @@ def with_precision(kernel):
 
 
 @with_precision
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref,
-                  w_ref, qp_ref, kd_ref, u_ref, ol_ref, d_ref, *, scale, dense):
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref, qp_ref, kd_ref, u_ref, ol_ref, d_ref,
+                  *score_refs, scale, dense):
     x = ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
-    out = chunk_forward(x, chunk_core(x, dense=dense))
+    core = chunk_core(x, dense=dense)
+    out = chunk_forward(x, core)
     for name, ref in dict(w=w_ref, qp=qp_ref, kd=kd_ref, u=u_ref, ol=ol_ref).items():
         ref[...] = out[name].astype(ref.dtype)
     d_ref[...] = out["d"][0]
+    for ref, value in zip(score_refs, (core.aqk, core.akk, core.t)):  # the backward's residuals
+        ref[...] = value
 
 
 def input_specs(chunk, key_dim, value_dim, group):
@@ -87,21 +92,24 @@ def chunk_vector(d):
     return pl.BlockSpec((None, None, d), lambda n, h: (n, h, 0))
 
 
-def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype):
+def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype,
+                  save_scores):
     """Per-chunk quantities. q, k: [BN, C, H, K]; v: [BN, C, HV, V]; g: [BN, C, HV, K]; beta: [BN, C, HV];
     doc, doc_prev: [BN, C] int32. Returns w, qp, kd: [BN, HV, C, K]; u, ol: [BN, HV, C, V] (store_dtype); d:
-    [BN, HV, K] fp32.
+    [BN, HV, K] fp32; and if save_scores Aqk, Akk, T = (I + L)^-1: [BN, HV, C, C] fp32.
     """
     chunks, chunk, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
-    shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), store_dtype)  # noqa: E731
+    shape = lambda d, dtype=store_dtype: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), dtype)  # noqa: E731
+    saved = 3 if save_scores else 0
     return pl.pallas_call(
         functools.partial(_intra_kernel, scale=scale, dense=dense, precision=precision),
         grid=(chunks, value_heads),
         in_specs=input_specs(chunk, key_dim, value_dim, value_heads // heads),
-        out_specs=[chunk_tile(chunk, key_dim)] * 3 + [chunk_tile(chunk, value_dim)] * 2 + [chunk_vector(key_dim)],
+        out_specs=[chunk_tile(chunk, key_dim)] * 3 + [chunk_tile(chunk, value_dim)] * 2 + [chunk_vector(key_dim)] + [
+            chunk_tile(chunk, chunk)] * saved,
         out_shape=[shape(key_dim)] * 3 + [shape(value_dim)] * 2 + [
-            jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)],
+            jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)] + [shape(chunk, _F32)] * saved,
         compiler_params=compiler_params(tuning.intra_warps),
         interpret=interpret,
         name="kda_intra_fwd",

@@ -65,10 +65,10 @@ def _forward(cfg, q, k, v, g, beta, state, doc, doc_prev, *, save_states):
     kw = dict(tuning=cfg.tuning, interpret=cfg.interpret, precision=cfg.precision)
     # bf16 inputs keep the intermediates in bf16 (half the scans' traffic; within the error bars), fp32 in fp32.
     store = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
-    w, qp, kd, u, ol, d = intra_forward(q, k, v, g, beta, doc, doc_prev, scale=cfg.scale, dense=cfg.dense,
-                                        store_dtype=store, **kw)
+    w, qp, kd, u, ol, d, *scores = intra_forward(q, k, v, g, beta, doc, doc_prev, scale=cfg.scale, dense=cfg.dense,
+                                                 store_dtype=store, save_scores=save_states, **kw)
     outs = state_scan(w, qp, kd, u, ol, d, state, out_dtype=v.dtype, save_states=save_states, **kw)
-    return outs, (w, qp, kd, u, d)
+    return outs, (w, qp, kd, u, d, *scores)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -84,13 +84,13 @@ def _kda_fwd(cfg, q, k, v, g, beta, state, doc, doc_prev):
 
 
 def _kda_bwd(cfg, residuals, cotangents):
-    q, k, v, g, beta, doc, doc_prev, states, (w, qp, kd, u, d) = residuals
+    q, k, v, g, beta, doc, doc_prev, states, (w, qp, kd, u, d, aqk, akk, t) = residuals
     do, ds_final = cotangents
     kw = dict(tuning=cfg.tuning, interpret=cfg.interpret, precision=cfg.precision)
     ds_chunk, dv_new, ds_init = state_grad(w, qp, kd, d, do, ds_final.astype(jnp.float32), **kw)
     dqp, dw, dkd, dd = state_side_grads(states, ds_chunk, w, u, do, dv_new, **kw)
-    dq, dk, dv, dg, dbeta = intra_grads(q, k, v, g, beta, doc, doc_prev, do, dv_new, dqp, dw, dkd, dd,
-                                        scale=cfg.scale, dense=cfg.dense, **kw)
+    dq, dk, dv, dg, dbeta = intra_grads(q, k, v, g, beta, doc, doc_prev, (aqk, akk, t, w, u), do, dv_new, dqp, dw,
+                                        dkd, dd, scale=cfg.scale, dense=cfg.dense, **kw)
     chunks, chunk, heads, key_dim = q.shape
     group = v.shape[2] // heads
     sum_group = lambda x: x.reshape(chunks, chunk, heads, group, key_dim).sum(axis=3)  # noqa: E731
