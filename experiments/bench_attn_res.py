@@ -34,6 +34,8 @@ flags.DEFINE_string("kda_backend", "auto", "KDAConfig.backend (auto: the Pallas 
 flags.DEFINE_integer("batch", 2, "Sequences per step.")
 flags.DEFINE_integer("seq_len", 256, "Tokens per sequence.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Activation dtype.")
+flags.DEFINE_list("remats", ["none", "full"], "Remat settings to compare (ModelConfig.remat).")
+flags.DEFINE_integer("experts", 8, "Routed experts (top-2, one shared expert, width 2·d_model).")
 flags.DEFINE_integer("warmup", 2, "Untimed steps per variant after compiling.")
 flags.DEFINE_integer("rounds", 30, "Timed rounds; each times one step of every variant.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where the results go.")
@@ -41,7 +43,6 @@ flags.DEFINE_string("tag", "", "Result file suffix; default: the JAX backend (cp
 FLAGS = flags.FLAGS
 
 MODES = ("none", "block", "full")
-REMATS = ("none", "full")
 
 
 def model_config(mode: str, remat: str) -> C.ModelConfig:
@@ -51,7 +52,8 @@ def model_config(mode: str, remat: str) -> C.ModelConfig:
         kda=C.KDAConfig(num_heads=FLAGS.heads, head_dim=64, chunk_size=64, backend=FLAGS.kda_backend),
         mla=C.MLAConfig(num_heads=FLAGS.heads, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
                         v_head_dim=32),
-        moe=C.MoEConfig(num_experts=8, top_k=2, num_shared_experts=1, expert_width=256),
+        moe=C.MoEConfig(num_experts=FLAGS.experts, top_k=2, num_shared_experts=1,
+                        expert_width=2 * FLAGS.d_model),
         attn_res=C.AttnResConfig(mode=mode, block_size=FLAGS.block_size),
     )
 
@@ -104,14 +106,21 @@ def verify(variants: list[dict]) -> dict:
         loss, grads = v["step"](*v["args"])
         v["loss"] = float(loss)
         assert np.isfinite(v["loss"]), v["name"]
+    # Remat changes the schedule, not the function: same loss and gradients up to rounding (fp32:
+    # 1e-4 of the largest gradient; bf16 recomputation rounds differently, 5e-2).
+    tol = 1e-4 if FLAGS.dtype == "float32" else 5e-2
     for mode in MODES:
+        if len(FLAGS.remats) < 2:
+            out[mode] = {"loss": by_name[f"{mode}/remat={FLAGS.remats[0]}"]["loss"]}
+            continue
         a, b = by_name[f"{mode}/remat=none"], by_name[f"{mode}/remat=full"]
         (la, ga), (lb, gb) = a["step"](*a["args"]), b["step"](*b["args"])
-        err = max(float(jnp.max(jnp.abs(x - y)))
-                  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)))
+        scale = max(float(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in jax.tree.leaves(ga))
+        err = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+                  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb))) / scale
         out[mode] = {"loss": float(la), "loss_remat_diff": abs(float(la) - float(lb)),
-                     "grad_remat_max_abs_diff": err}
-        assert abs(float(la) - float(lb)) < 1e-4 and err < 1e-3, (mode, out[mode])
+                     "grad_remat_max_rel_diff": err}
+        assert abs(float(la) - float(lb)) < 10 * tol and err < tol, (mode, out[mode])
     return out
 
 
@@ -230,7 +239,7 @@ def main(argv):
     del argv
     tokens = jax.random.randint(jax.random.key(1), (FLAGS.batch, FLAGS.seq_len), 0, 259)
     variables = init_variables(tokens)
-    variants = [build_variant(m, r, tokens, variables) for r in REMATS for m in MODES]
+    variants = [build_variant(m, r, tokens, variables) for r in FLAGS.remats for m in MODES]
     checks = verify(variants)
     logging.info("verified: %s", checks)
     time_interleaved(variants)

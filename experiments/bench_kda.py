@@ -269,6 +269,12 @@ def write_tables(rows, versions, out_dir):
     print("\n".join(lines))
 
 
+def _versions():
+    import jax
+    import jaxlib
+    return dict(gpu=jax.devices()[0].device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__)
+
+
 def main(argv):
     del argv
     if FLAGS.fla_worker:
@@ -288,14 +294,14 @@ def main(argv):
             result, outs[variant] = bench_jax(shape, variant, tuning)
             rows.append(dict(variant=variant, B=shape[0], T=shape[1], H=shape[2], D=shape[3], **result))
             print(f"  {rows[-1]}", flush=True)
+            write_tables(rows, _versions(), FLAGS.out_dir)  # a timed-out run keeps what it measured
         for gate in ("bounded", "unbounded"):  # full-shape agreement of the kernels with the XLA path
             if f"pallas_{gate}" in outs and f"xla_{gate}" in outs:
                 from pallas_kernels.kda import relative_rms_error
                 err = relative_rms_error(np.asarray(outs[f"xla_{gate}"], np.float32),
                                          np.asarray(outs[f"pallas_{gate}"], np.float32))
                 print(f"  full-shape o, pallas vs xla ({gate}): relative RMS {err:.2e}", flush=True)
-    import jaxlib
-    versions = dict(gpu=jax.devices()[0].device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__)
+    versions = _versions()
     order = {v: i for i, v in enumerate(FLAGS.variants)}
     write_tables(rows, versions, FLAGS.out_dir)  # the JAX rows survive a failed fla child
     if fla_jobs:
