@@ -35,6 +35,7 @@ flags.DEFINE_integer("batch", 2, "Sequences per step.")
 flags.DEFINE_integer("seq_len", 256, "Tokens per sequence.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Activation dtype.")
 flags.DEFINE_list("remats", ["none", "full"], "Remat settings to compare (ModelConfig.remat).")
+flags.DEFINE_list("modes", ["none", "block", "full"], "Residual modes to compare (the first is the baseline).")
 flags.DEFINE_integer("experts", 8, "Routed experts (top-2, one shared expert, width 2·d_model).")
 flags.DEFINE_integer("warmup", 2, "Untimed steps per variant after compiling.")
 flags.DEFINE_integer("rounds", 30, "Timed rounds; each times one step of every variant.")
@@ -43,6 +44,13 @@ flags.DEFINE_string("tag", "", "Result file suffix; default: the JAX backend (cp
 FLAGS = flags.FLAGS
 
 MODES = ("none", "block", "full")
+
+
+def _check_flags():
+    bad = [m for m in FLAGS.modes if m not in MODES]
+    if bad or "none" not in FLAGS.modes:
+        raise app.UsageError(f"--modes={','.join(FLAGS.modes)}: must include 'none' (the baseline) "
+                             f"and only use {', '.join(MODES)}")
 
 
 def model_config(mode: str, remat: str) -> C.ModelConfig:
@@ -109,7 +117,7 @@ def verify(variants: list[dict]) -> dict:
     # Remat changes the schedule, not the function: same loss and gradients up to rounding (fp32:
     # 1e-4 of the largest gradient; bf16 recomputation rounds differently, 5e-2).
     tol = 1e-4 if FLAGS.dtype == "float32" else 5e-2
-    for mode in MODES:
+    for mode in FLAGS.modes:
         if len(FLAGS.remats) < 2:
             out[mode] = {"loss": by_name[f"{mode}/remat={FLAGS.remats[0]}"]["loss"]}
             continue
@@ -237,9 +245,10 @@ def write_plot(summary: dict, path: str) -> None:
 
 def main(argv):
     del argv
+    _check_flags()
     tokens = jax.random.randint(jax.random.key(1), (FLAGS.batch, FLAGS.seq_len), 0, 259)
     variables = init_variables(tokens)
-    variants = [build_variant(m, r, tokens, variables) for r in FLAGS.remats for m in MODES]
+    variants = [build_variant(m, r, tokens, variables) for r in FLAGS.remats for m in FLAGS.modes]
     checks = verify(variants)
     logging.info("verified: %s", checks)
     time_interleaved(variants)

@@ -61,9 +61,11 @@ def attn_res_mix(sources: jax.Array | Sequence[jax.Array], query: jax.Array,
     # rms_normalize(x) · q = (x · q) / rms(x): the per-token factor goes on after the dot, so no
     # normalised copy of a source is formed. Sources stay separate arrays, never stacked: a
     # stacked copy per site would be kept for the backward pass (O(sites × sources) memory).
-    # HIGHEST: full fp32 logits on GPUs too, where fp32 dots default to TF32.
-    logits = jnp.stack([jnp.dot(x, q, precision=jax.lax.Precision.HIGHEST) * _inv_rms(x, eps)
-                        for x in xs])  # [S, B, T]
+    # The dot is written as a multiply and a sum over d rather than a matrix-vector product: XLA
+    # then fuses it with the convert and the sum of squares into one reduction that reads the
+    # source once (a dot would go to a BLAS call on an fp32 copy of the source), and it is exact
+    # fp32 on GPUs too, where fp32 dots default to TF32.
+    logits = jnp.stack([jnp.sum(x * q, axis=-1) * _inv_rms(x, eps) for x in xs])  # [S, B, T]
     weights = jax.nn.softmax(logits, axis=0)  # [S, B, T]
     out = weights[0][..., None] * xs[0]
     for w, x in zip(weights[1:], xs[1:]):
