@@ -58,3 +58,33 @@ def plot_site_weights(results: dict[str, dict[str, np.ndarray]], path: str) -> N
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.6, label="mean softmax weight")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def router_summary(records: list[dict], last: int = 100) -> dict[str, float]:
+    """Balance read-out of one run's training records (metrics.jsonl rows, split "train").
+
+    Over the last `last` logged steps and every MoE layer: mean MaxVio (batch) and its window
+    variant (NaN for routers without a window), mean dropped fraction, and the mean per-step smallest and largest expert load as
+    multiples of the uniform load 1/E (1 = perfectly balanced). Needs log_every = 1 for "last"
+    to mean steps rather than log records.
+    """
+    train = [r for r in records if r.get("split", "train") == "train"]
+    if not train:
+        raise ValueError("router_summary.records holds no training records")
+    window = train[-last:]
+    layers = sorted({k.split("/")[1] for k in window[0] if k.startswith("router/layer_")},
+                    key=lambda name: int(name.split("_")[1]))
+    if not layers:
+        raise ValueError("router_summary.records has no router/layer_i/* statistics")
+
+    def mean_of(stat: str) -> float:  # NaN for a statistic the router does not keep
+        return float(np.mean([[r.get(f"router/{layer}/{stat}", np.nan) for layer in layers]
+                              for r in window]))
+
+    loads = np.asarray([[r[f"router/{layer}/load"] for layer in layers] for r in window])  # [steps, L, E]
+    experts = loads.shape[-1]
+    return {"steps": len(window), "layers": len(layers), "experts": experts,
+            "max_vio": mean_of("max_vio"), "max_vio_window": mean_of("max_vio_window"),
+            "dropped_fraction": mean_of("dropped_fraction"),
+            "min_load_x_uniform": float(np.mean(loads.min(-1)) * experts),
+            "max_load_x_uniform": float(np.mean(loads.max(-1)) * experts)}
