@@ -51,15 +51,44 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+# Above this many logits per (batch row, head) the XLA path walks the queries in blocks, so that the
+# [B, H, T, S] fp32 logits never exist at once (64K x 64K would be 16 GiB per head).
+QUERY_BLOCK = 2048
+QUERY_BLOCK_MIN_LOGITS = 2 ** 26
+
+
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
                   scale: float, *, kv_segment_ids: jax.Array | None = None,
-                  q_offset: int | jax.Array = 0) -> jax.Array:
+                  q_offset: int | jax.Array = 0, query_block: int | None = None) -> jax.Array:
     """Causal softmax attention with a same-document mask; logits and softmax in fp32.
 
     q: [B, T, H, Dqk], k: [B, S, H, Dqk], v: [B, S, H, Dv], segment_ids: [B, T] | None
     -> [B, T, H, Dv] in v's dtype. Query t sits at key position q_offset + t: the queries may be one
     sequence shard's (context parallelism), with kv_segment_ids [B, S] the keys' ids (default: segment_ids).
+    query_block: compute the queries in blocks of this many rows, one after another (the same
+    numbers, less memory); default QUERY_BLOCK once T·S reaches QUERY_BLOCK_MIN_LOGITS.
     """
+    t, s = q.shape[1], k.shape[1]
+    if query_block is None and t * s >= QUERY_BLOCK_MIN_LOGITS and t % QUERY_BLOCK == 0:
+        query_block = QUERY_BLOCK
+    if query_block is not None and query_block < t:
+        if t % query_block:
+            raise ValueError(f"xla_attention.query_block={query_block} must divide the query length {t}")
+        kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+
+        def block(i):
+            start = i * query_block
+            q_i = jax.lax.dynamic_slice_in_dim(q, start, query_block, axis=1)
+            ids_i = (None if segment_ids is None
+                     else jax.lax.dynamic_slice_in_dim(segment_ids, start, query_block, axis=1))
+            return _attend(q_i, k, v, ids_i, scale, kv_ids, q_offset + start)
+
+        out = jax.lax.map(block, jnp.arange(t // query_block))  # [N, B, block, H, Dv]
+        return jnp.moveaxis(out, 0, 1).reshape(q.shape[:3] + v.shape[-1:])
+    return _attend(q, k, v, segment_ids, scale, kv_segment_ids, q_offset)
+
+
+def _attend(q, k, v, segment_ids, scale, kv_segment_ids, q_offset):
     t, s = q.shape[1], k.shape[1]
     logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
     mask = (q_offset + jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None, None]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hybridmoe.config import MLAConfig
-from hybridmoe.layers.mla import MLA
+from hybridmoe.layers.mla import MLA, xla_attention
 
 D_MODEL = 24
 EPS = 1e-6
@@ -205,3 +205,22 @@ def test_cudnn_backend_refuses_fp32_activations():
     x = jnp.zeros((2, 8, D_MODEL))
     with pytest.raises(ValueError, match=r"MLAConfig.backend='cudnn' needs bf16 or fp16 activations, got float32"):
         _init(cfg, x)
+
+
+@pytest.mark.parametrize("with_segments", [False, True])
+def test_query_blocks_compute_the_same_attention(with_segments):
+    keys = jax.random.split(jax.random.key(3), 3)
+    q, k = (jax.random.normal(key, (2, 64, 2, 8)) for key in keys[:2])
+    v = jax.random.normal(keys[2], (2, 64, 2, 4))
+    ids = jnp.cumsum(jax.random.bernoulli(jax.random.key(4), 0.1, (2, 64)), axis=1) if with_segments else None
+
+    def loss(q, k, v, block):
+        return jnp.sum(jnp.sin(xla_attention(q, k, v, ids, 0.3, query_block=block)))
+
+    whole, whole_grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, None)
+    blocked, blocked_grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, 16)
+    np.testing.assert_allclose(blocked, whole, rtol=1e-6)
+    for a, b in zip(blocked_grads, whole_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="query_block=24 must divide the query length 64"):
+        xla_attention(q, k, v, ids, 0.3, query_block=24)
