@@ -28,8 +28,10 @@ def packed_segments(segment_ids: jax.Array, max_segments: int
     """Segment ids [B, T] -> (seqlen [B, M], offsets [B, M+1], overflow [B]) in cuDNN's packed form.
 
     A segment starts wherever the id changes (and at t = 0). Row b's m-th segment starts at
-    offsets[b, m] and has seqlen[b, m] tokens; unused entries are -1, and offsets[b, n_b] = T closes
-    the last of its n_b segments. overflow[b] is True when the row has more than M segments.
+    offsets[b, m] and has seqlen[b, m] tokens; every unused entry is -1, including the last column
+    of offsets (JAX's wrapper flattens the non-negative entries of all rows into one list of segment
+    starts, so a closing offset per row would shift every later row's starts by one segment).
+    overflow[b] is True when the row has more than M segments.
     """
     b, t = segment_ids.shape
     m = max_segments
@@ -40,11 +42,13 @@ def packed_segments(segment_ids: jax.Array, max_segments: int
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     slot = jnp.where(starts, rank, m + 1)  # non-starts go to a slot that is dropped
-    offsets = jnp.full((b, m + 1), -1, jnp.int32).at[rows, slot].set(positions, mode="drop")
-    closing = jnp.minimum(count, m)
-    offsets = offsets.at[jnp.arange(b), closing].set(t)
-    nxt = offsets[:, 1:]
-    seqlen = jnp.where(jnp.arange(m)[None, :] < closing[:, None], nxt - offsets[:, :-1], -1)
+    start_at = jnp.full((b, m + 1), -1, jnp.int32).at[rows, slot].set(positions, mode="drop")
+    used = jnp.arange(m)[None, :] < jnp.minimum(count, m)[:, None]  # [B, M]
+    # A segment ends where the next one starts, the row's last one at T.
+    ends = jnp.where(jnp.arange(1, m + 1)[None, :] < count[:, None], start_at[:, 1:], t)
+    seqlen = jnp.where(used, ends - start_at[:, :-1], -1)
+    offsets = jnp.concatenate([jnp.where(used, start_at[:, :-1], -1),
+                               jnp.full((b, 1), -1, jnp.int32)], axis=1)
     return seqlen, offsets, count > m
 
 
@@ -64,10 +68,27 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
         return cudnn_fa.dot_product_attention(q, k, v, scale=scale,
                                               mask_type=cudnn_fa.MaskType.CAUSAL)
     seqlen, offsets, overflow = packed_segments(segment_ids, max_segments)
+    # The wrapper turns token offsets into element offsets with K's per-token stride (heads x
+    # Dqk) and uses them for V as well, so packed V must have K's head width: pad the narrower of
+    # the two with zeros (zero q/k columns add nothing to the logits; zero v columns are cut off).
+    q, k, v, dv = pad_head_dims(q, k, v)
     out = cudnn_fa.dot_product_attention(
         q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets,
-        scale=scale, mask_type=cudnn_fa.MaskType.PADDING_CAUSAL)
+        scale=scale, mask_type=cudnn_fa.MaskType.PADDING_CAUSAL)[..., :dv]
     return jnp.where(overflow[:, None, None, None], jnp.nan, out).astype(out.dtype)
+
+
+def pad_head_dims(q: jax.Array, k: jax.Array, v: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, int]:
+    """Zero-pads q, k [.., Dqk] and v [.., Dv] to one head width max(Dqk, Dv); returns Dv too."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    width = max(dqk, dv)
+
+    def pad(x):
+        extra = width - x.shape[-1]
+        return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+    return pad(q), pad(k), pad(v), dv
 
 
 def register() -> None:
