@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The H200 measurements, in the order the issues need them; each writes its result files under
+# ${OUT:-benchmarks/results}. Needs gin-config and grain (and fla-core for the KDA anchor) installed
+# beside the image's JAX; run from the repository root. Pass step names to run a subset:
+#   bash benchmarks/h200.sh kda attn_res
+set -u
+OUT=${OUT:-benchmarks/results}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(kda kda_model attn_res attention long_context)
+for step in "${steps[@]}"; do
+  echo "== $step"
+  case $step in
+    kda)  # all four shapes, every variant, flash-linear-attention timed in the same run
+      python3 -m experiments.bench_kda --repeats=20 --out_dir="$OUT" ;;
+    kda_model)  # whole-model losses, Pallas vs XLA KDA
+      python3 -m experiments.compare_kda_backends --steps=20 --out="$OUT/kda_model_check_h200" ;;
+    attn_res)  # residual-mode step time and memory, 16 layers
+      python3 -m experiments.bench_attn_res --d_model=512 --heads=4 --seq_len=2048 --batch=4 \
+        --dtype=bfloat16 --remats=none --experts=16 --rounds=10 --kda_backend=pallas \
+        --out_dir="$OUT" --tag=h200 ;;
+    attention)  # cuDNN MLA attention: packed-document isolation against XLA, then timings
+      python3 -m experiments.verify_attention --seq_lens=1024,8192 --time_lens=8192,32768,131072 \
+        --out="$OUT/mla_cudnn_h200" ;;
+    long_context)  # small_h200.gin forward+backward at 8K, 64K, 256K, 1M
+      python3 -m experiments.bench_long_context --out="$OUT/long_context_h200" ;;
+    *) echo "unknown step $step (kda, kda_model, attn_res, attention, long_context)"; exit 2 ;;
+  esac
+done
