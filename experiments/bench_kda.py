@@ -7,6 +7,7 @@ JAX variants run first in this process; fla (PyTorch) runs afterwards in a child
 hold the GPU at once. Rows go to kda_h200.json and a markdown table to kda_h200.md.
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -21,7 +22,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["1x8192x16x128", "1x32768x16x128", "4x8192x16x128", "1x131072x16x128"],
                   "BxTxHxD shapes (K = V = D, HV = H).")
 flags.DEFINE_list("variants", ["pallas_bounded", "pallas_unbounded", "xla_bounded", "xla_unbounded",
-                               "fla_bounded", "fla_unbounded"], "Variants to time.")
+                               "fla_bounded", "fla_unbounded"],
+                  "Variants to time: {pallas, pallas-split, xla, fla}_{bounded, unbounded}; pallas-split is the "
+                  "kernels with Tuning(separate_output=True).")
 flags.DEFINE_integer("repeats", 30, "Timed repeats per measurement (median reported).")
 flags.DEFINE_integer("xla_repeats", 3, "Timed repeats for the (slow) xla variants.")
 flags.DEFINE_bool("verify", True, "Check each JAX variant against the reference before timing it.")
@@ -81,10 +84,11 @@ def _jax_fns(backend, bounded, tuning):
     g_min = G_MIN if bounded else None
 
     def forward(q, k, v, g, beta):
-        if backend == "pallas":  # the public op's pallas path, with this run's tuning
+        if backend in ("pallas", "pallas-split"):  # the public op's pallas path, with this run's tuning
+            run_tuning = dataclasses.replace(tuning, separate_output=backend == "pallas-split")
             diagonal = api.kda_diagonal_path(g_min, 64)
             s0 = jnp.zeros((q.shape[0], v.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-            run = api._whole_chunks(lambda *a, **kw: kda_pallas(*a, **kw, tuning=tuning))
+            run = api._whole_chunks(lambda *a, **kw: kda_pallas(*a, **kw, tuning=run_tuning))
             return run(q, k, v, g, beta, s0, None, scale=q.shape[-1] ** -0.5, chunk_size=64, diagonal=diagonal)
         return api.chunk_kda(q, k, v, g, beta, g_min=g_min, backend=backend, output_final_state=True)
 

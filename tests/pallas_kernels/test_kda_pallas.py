@@ -104,3 +104,20 @@ def test_interpret_chunk64_bf16(seq_len, gate, g_min):
                       g_min=-5.0, dtype=jnp.bfloat16)
     tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, g_min, 64, _segments(1, seq_len) if seq_len > 64 else None, tol=tol)
+
+
+@pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
+def test_separate_output_kernel_matches_reference(monkeypatch, gate, g_min):
+    # Tuning(separate_output=True): states scanned alone, o from the stored states in a parallel kernel.
+    import functools
+
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    split = functools.partial(kda_pallas, interpret=True, tuning=Tuning(separate_output=True))
+    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(
+        jax.jit(split, static_argnames=api._KERNEL_STATIC)))
+    x = random_inputs(5, batch=2, seq_len=40, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
+                      g_min=-5.0)
+    _compare(x, g_min, 16, _segments(2, 40), tol=1e-5)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    jaxpr = str(jax.make_jaxpr(lambda *a: chunk_kda(*a, g_min=g_min, chunk_size=16, backend="interpret"))(*args))
+    assert "kda_states_fwd" in jaxpr and "kda_output_fwd" in jaxpr
