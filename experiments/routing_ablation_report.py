@@ -17,7 +17,7 @@ import os
 import numpy as np
 from absl import app, flags
 
-from hybridmoe.analysis import router_summary
+from hybridmoe.analysis import router_layers, router_summary
 
 SWEEP_DIR = flags.DEFINE_string("sweep_dir", "runs/routing_ablation", "The sweep's workdir.")
 OUT = flags.DEFINE_string("out", "benchmarks/results/routing_ablation", "Output path prefix.")
@@ -46,7 +46,7 @@ def load_points(sweep_dir: str, last: int) -> list[dict]:
             records = [json.loads(line) for line in f if line.strip()]
         fields = _point_fields(name)
         train = [r for r in records if r["split"] == "train"]
-        layers = sorted({k.split("/")[1] for k in train[0] if k.startswith("router/layer_")})
+        layers = router_layers(train[0])
         points.append({
             "point": name, "router": _label(fields), "E": int(fields["num_experts"]),
             "val_loss": result["val_loss"], **router_summary(records, last),

@@ -60,6 +60,12 @@ def plot_site_weights(results: dict[str, dict[str, np.ndarray]], path: str) -> N
     plt.close(fig)
 
 
+def router_layers(record: dict) -> list[str]:
+    """The MoE layers a metrics record has router statistics for: ["layer_0", "layer_1", ...]."""
+    return sorted({k.split("/")[1] for k in record if k.startswith("router/layer_")},
+                  key=lambda name: int(name.split("_")[1]))
+
+
 def router_summary(records: list[dict], last: int = 100) -> dict[str, float]:
     """Balance read-out of one run's training records (metrics.jsonl rows, split "train").
 
@@ -72,8 +78,7 @@ def router_summary(records: list[dict], last: int = 100) -> dict[str, float]:
     if not train:
         raise ValueError("router_summary.records holds no training records")
     window = train[-last:]
-    layers = sorted({k.split("/")[1] for k in window[0] if k.startswith("router/layer_")},
-                    key=lambda name: int(name.split("_")[1]))
+    layers = router_layers(window[0])
     if not layers:
         raise ValueError("router_summary.records has no router/layer_i/* statistics")
 

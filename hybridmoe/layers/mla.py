@@ -72,8 +72,9 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     if query_block is None and t * s >= QUERY_BLOCK_MIN_LOGITS and t % QUERY_BLOCK == 0:
         query_block = QUERY_BLOCK
     if query_block is not None and query_block < t:
-        if t % query_block:
-            raise ValueError(f"xla_attention.query_block={query_block} must divide the query length {t}")
+        if query_block < 1 or t % query_block:
+            raise ValueError(f"xla_attention.query_block={query_block} must be a positive divisor of the query "
+                             f"length {t}")
         kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
 
         def block(i):

@@ -222,5 +222,7 @@ def test_query_blocks_compute_the_same_attention(with_segments):
     np.testing.assert_allclose(blocked, whole, rtol=1e-6)
     for a, b in zip(blocked_grads, whole_grads):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="query_block=24 must divide the query length 64"):
+    with pytest.raises(ValueError, match="query_block=24 must be a positive divisor of the query length 64"):
         xla_attention(q, k, v, ids, 0.3, query_block=24)
+    with pytest.raises(ValueError, match="query_block=0 must be a positive divisor"):
+        xla_attention(q, k, v, ids, 0.3, query_block=0)
