@@ -66,26 +66,33 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     -> [B, T, H, Dv] in v's dtype. Query t sits at key position q_offset + t: the queries may be one
     sequence shard's (context parallelism), with kv_segment_ids [B, S] the keys' ids (default: segment_ids).
     query_block: compute the queries in blocks of this many rows, one after another (the same
-    numbers, less memory); default QUERY_BLOCK once T·S reaches QUERY_BLOCK_MIN_LOGITS.
+    numbers, less memory); a length that is not a multiple is padded with rows whose outputs are
+    dropped. Default QUERY_BLOCK once T·S reaches QUERY_BLOCK_MIN_LOGITS.
     """
     t, s = q.shape[1], k.shape[1]
-    if query_block is None and t * s >= QUERY_BLOCK_MIN_LOGITS and t % QUERY_BLOCK == 0:
+    if query_block is None and t * s >= QUERY_BLOCK_MIN_LOGITS:
         query_block = QUERY_BLOCK
+    if query_block is not None and query_block < 1:
+        raise ValueError(f"xla_attention.query_block must be a positive number of rows, got {query_block}")
     if query_block is not None and query_block < t:
-        if query_block < 1 or t % query_block:
-            raise ValueError(f"xla_attention.query_block={query_block} must be a positive divisor of the query "
-                             f"length {t}")
         kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        blocks = -(-t // query_block)
+        pad = blocks * query_block - t
+        # Padded rows repeat the last query and its document id: every one keeps a visible key.
+        q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)), mode="edge") if pad else q
+        ids_p = (None if segment_ids is None
+                 else jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge") if pad else segment_ids)
 
         def block(i):
             start = i * query_block
-            q_i = jax.lax.dynamic_slice_in_dim(q, start, query_block, axis=1)
-            ids_i = (None if segment_ids is None
-                     else jax.lax.dynamic_slice_in_dim(segment_ids, start, query_block, axis=1))
+            q_i = jax.lax.dynamic_slice_in_dim(q_p, start, query_block, axis=1)
+            ids_i = (None if ids_p is None
+                     else jax.lax.dynamic_slice_in_dim(ids_p, start, query_block, axis=1))
             return _attend(q_i, k, v, ids_i, scale, kv_ids, q_offset + start)
 
-        out = jax.lax.map(block, jnp.arange(t // query_block))  # [N, B, block, H, Dv]
-        return jnp.moveaxis(out, 0, 1).reshape(q.shape[:3] + v.shape[-1:])
+        out = jax.lax.map(block, jnp.arange(blocks))  # [N, B, block, H, Dv]
+        out = jnp.moveaxis(out, 0, 1).reshape(q.shape[:1] + (blocks * query_block,) + out.shape[-2:])
+        return out[:, :t]
     return _attend(q, k, v, segment_ids, scale, kv_segment_ids, q_offset)
 
 
