@@ -52,10 +52,12 @@ def plot_site_weights(results: dict[str, dict[str, np.ndarray]], path: str) -> N
             grid[i, :len(sites[n])] = sites[n]
         im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1)
         ax.set_title(point, fontsize=9)
-        ax.set_xlabel("source (0 = embedding, last = current partial)")
+        ax.set_xlabel("source")
         ax.set_yticks(range(len(names)))
         ax.set_yticklabels([n.replace("attn_res_", "") for n in names], fontsize=6)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.6, label="mean softmax weight")
+    fig.suptitle("AttnRes mixing weights per site (rows) over sources (columns: 0 = embedding, then "
+                 "block sums or sublayer outputs, last = current partial sum)", fontsize=10)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
