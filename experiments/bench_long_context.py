@@ -33,14 +33,16 @@ flags.DEFINE_list("lengths", ["8192", "65536", "262144", "1048576"], "Sequence l
 flags.DEFINE_integer("repeats", 3, "Timed repeats per measurement (median).")
 flags.DEFINE_bool("split", True, "Also time isolated KDA / MLA / MoE sublayers.")
 flags.DEFINE_string("out", "", "Write OUT.json and OUT.md (rows of every length) when set.")
+flags.DEFINE_bool("merge", False, "Keep OUT.json's rows of lengths not measured in this run.")
 flags.DEFINE_integer("child_len", 0, "Internal: measure this one length and print its row.")
 FLAGS = flags.FLAGS
 
 ROW_PREFIX = "ROW "
 
 
-def _median_s(fn, *args) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm-up
+def _median_s(fn, *args, warm_up: bool = True) -> float:
+    if warm_up:  # compile + warm-up
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(FLAGS.repeats):
         start = time.perf_counter()
@@ -88,7 +90,8 @@ def measure(t: int) -> dict:
     start = time.perf_counter()
     jax.block_until_ready(step(variables["params"]))
     compile_s = time.perf_counter() - start
-    step_s = _median_s(step, variables["params"])
+    # The compiling call above is the warm-up (at 1M one step takes minutes).
+    step_s = _median_s(step, variables["params"], warm_up=False)
     stats = jax.devices()[0].memory_stats() or {}
     row = {"T": t, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "step_s": step_s, "compile_s": compile_s,
@@ -148,13 +151,18 @@ def main(argv):
     if FLAGS.child_len:
         print(ROW_PREFIX + json.dumps(measure(FLAGS.child_len)), flush=True)
         return
+    lengths = list(map(int, FLAGS.lengths))
+    kept = []
+    if FLAGS.merge and FLAGS.out and os.path.exists(FLAGS.out + ".json"):
+        with open(FLAGS.out + ".json", encoding="utf-8") as f:
+            kept = [r for r in json.load(f)["rows"] if r["T"] not in lengths]
     rows = []
-    for t in map(int, FLAGS.lengths):
+    for t in lengths:
         rows.append(_run_child(t))
         print(json.dumps(rows[-1]), flush=True)
         if FLAGS.out:
             os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-            write_tables(rows, FLAGS.out)
+            write_tables(sorted(kept + rows, key=lambda r: r["T"]), FLAGS.out)
 
 
 if __name__ == "__main__":
