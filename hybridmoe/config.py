@@ -230,6 +230,12 @@ class ModelConfig:
     # "none"; "full": rematerialise each attention sublayer in the backward pass; "all": the FFN/MoE
     # sublayers too (long context, where the expert buffers of every layer would not fit).
     remat: str = "none"
+    # Run the layers as a scan over groups of `layer_pattern` (parameters stacked on a leading axis,
+    # under "layers"). XLA then reuses one group's buffers for every group: with the layers
+    # unrolled, the backward's temporaries grow with depth even under remat (DESIGN §3.6, the 1M
+    # run). Needs AttnRes mode "none", no dense first layers and num_layers a multiple of the
+    # pattern (with last_layer_mla, a pattern that ends in M).
+    scan_layers: bool = False
 
     def __post_init__(self):
         name = "ModelConfig"
@@ -246,6 +252,18 @@ class ModelConfig:
         if self.moe.first_k_dense > self.num_layers:
             _fail("MoEConfig", "first_k_dense", self.moe.first_k_dense,
                   f"in [0, num_layers={self.num_layers}]")
+        if self.scan_layers:
+            groups = self.num_layers // len(self.layer_pattern)
+            if self.attn_res.mode != "none":
+                _fail("AttnResConfig", "mode", self.attn_res.mode,
+                      '"none" with ModelConfig.scan_layers=True (residual sources differ per layer)')
+            if self.moe.first_k_dense:
+                _fail("MoEConfig", "first_k_dense", self.moe.first_k_dense,
+                      "0 with ModelConfig.scan_layers=True (every group must be alike)")
+            if self.layer_kinds != self.layer_pattern * groups:
+                _fail(name, "num_layers", self.num_layers,
+                      f"a multiple of len(layer_pattern)={len(self.layer_pattern)} with scan_layers=True, "
+                      f"and layer_pattern={self.layer_pattern!r} ending in M when last_layer_mla=True")
 
     @property
     def layer_kinds(self) -> str:

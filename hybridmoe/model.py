@@ -16,32 +16,75 @@ from hybridmoe.layers.mla import MLA
 from hybridmoe.layers.moe import DenseFFN, MoE
 
 
+def _sublayers(cfg: ModelConfig, index: int, kind: str):
+    """The attention (KDA or MLA) and FFN (dense or MoE) modules of layer `index`, remat applied."""
+    dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+    common = dict(d_model=cfg.d_model, dtype=dt, param_dtype=pdt, norm_eps=cfg.norm_eps)
+    remat = cfg.remat in ("full", "all")
+    remat_ffn = cfg.remat == "all"
+    if kind == "K":
+        attn = (nn.remat(KDA) if remat else KDA)(cfg.kda, name=f"layer_{index}_kda", **common)
+    else:
+        attn = (nn.remat(MLA) if remat else MLA)(cfg.mla, name=f"layer_{index}_mla", **common)
+    if index < cfg.moe.first_k_dense:
+        ffn = (nn.remat(DenseFFN) if remat_ffn else DenseFFN)(width=cfg.moe.dense_width, d_model=cfg.d_model,
+                       activation=cfg.moe.activation, dtype=dt, param_dtype=pdt,
+                       name=f"layer_{index}_ffn")
+    else:
+        ffn = (nn.remat(MoE) if remat_ffn else MoE)(cfg.moe, cfg.router, name=f"layer_{index}_moe", **common)
+    return attn, ffn
+
+
+class LayerGroup(nn.Module):
+    """One repeat of `layer_pattern` with the plain pre-norm residual: the body of scan_layers.
+
+    (x [B, T, d], segment_ids, positions) -> (x, ({"layer_j": router stats}, aux loss)); j counts
+    layers inside the group, and names the group's parameters like HybridLM's (layer_j_kda, ...).
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, segment_ids, positions):
+        cfg = self.config
+        dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+        stats, aux_loss = {}, jnp.zeros((), jnp.float32)
+        for j, kind in enumerate(cfg.layer_pattern):
+            attn, ffn = _sublayers(cfg, j, kind)
+            h = RMSNorm(cfg.norm_eps, dt, pdt, name=f"layer_{j}_attn_norm")(x)
+            x = x + (attn(h, segment_ids) if kind == "K" else attn(h, segment_ids, positions))
+            h = RMSNorm(cfg.norm_eps, dt, pdt, name=f"layer_{j}_ffn_norm")(x)
+            y, moe_aux = ffn(h)
+            stats[f"layer_{j}"] = moe_aux["router_stats"]
+            aux_loss = aux_loss + moe_aux["aux_loss"]
+            x = x + y
+        return x, (stats, aux_loss)
+
+
 class HybridLM(nn.Module):
     """tokens [B, T] (+ segment_ids, positions [B, T]) -> (logits [B, T, vocab] fp32, aux).
 
     aux = {"router": {"layer_i": stats}, "aux_loss": scalar}. Router state lives in the "router"
     variable collection: pass `mutable=["router"]` to `apply` to get the state for the next batch.
+    With `scan_layers`, parameters and router state of the groups sit stacked under "layers".
     """
 
     config: ModelConfig
 
-    def _sublayers(self, index: int, kind: str):
+    def _scanned_layers(self, x, segment_ids, positions, aux):
         cfg = self.config
-        dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
-        common = dict(d_model=cfg.d_model, dtype=dt, param_dtype=pdt, norm_eps=cfg.norm_eps)
-        remat = cfg.remat in ("full", "all")
-        remat_ffn = cfg.remat == "all"
-        if kind == "K":
-            attn = (nn.remat(KDA) if remat else KDA)(cfg.kda, name=f"layer_{index}_kda", **common)
-        else:
-            attn = (nn.remat(MLA) if remat else MLA)(cfg.mla, name=f"layer_{index}_mla", **common)
-        if index < cfg.moe.first_k_dense:
-            ffn = (nn.remat(DenseFFN) if remat_ffn else DenseFFN)(width=cfg.moe.dense_width, d_model=cfg.d_model,
-                           activation=cfg.moe.activation, dtype=dt, param_dtype=pdt,
-                           name=f"layer_{index}_ffn")
-        else:
-            ffn = (nn.remat(MoE) if remat_ffn else MoE)(cfg.moe, cfg.router, name=f"layer_{index}_moe", **common)
-        return attn, ffn
+        period = len(cfg.layer_pattern)
+        groups = cfg.num_layers // period
+        scan = nn.scan(LayerGroup, variable_axes={"params": 0, "router": 0},
+                       split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
+                       length=groups, metadata_params={nn.PARTITION_NAME: None})
+        # A scan body takes and returns its carry first: x.
+        x, (stats, aux_loss) = scan(cfg, name="layers")(x, segment_ids, positions)
+        for g in range(groups):
+            for j in range(period):
+                aux["router"][f"layer_{g * period + j}"] = jax.tree.map(lambda a: a[g], stats[f"layer_{j}"])
+        aux["aux_loss"] = aux["aux_loss"] + jnp.sum(aux_loss)
+        return x
 
     @nn.compact
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
@@ -55,8 +98,13 @@ class HybridLM(nn.Module):
         stream = ResidualStream(cfg.attn_res, x)
         aux: dict[str, Any] = {"router": {}, "aux_loss": jnp.zeros((), jnp.float32)}
 
+        if cfg.scan_layers:
+            x = self._scanned_layers(x, segment_ids, positions, aux)
+            x = RMSNorm(cfg.norm_eps, dt, pdt, name="final_norm")(x)
+            return self._head(x, embedding), aux
+
         for i, kind in enumerate(cfg.layer_kinds):
-            attn, ffn = self._sublayers(i, kind)
+            attn, ffn = _sublayers(cfg, i, kind)
             site = AttnResSite(eps=cfg.norm_eps, name=f"attn_res_{i}_attn") if use_sites else None
             h = RMSNorm(cfg.norm_eps, dt, pdt, name=f"layer_{i}_attn_norm")(stream.sublayer_input(site))
             if kind == "K":
@@ -77,12 +125,16 @@ class HybridLM(nn.Module):
 
         site = AttnResSite(eps=cfg.norm_eps, name="attn_res_final") if use_sites else None
         x = RMSNorm(cfg.norm_eps, dt, pdt, name="final_norm")(stream.final(site))
+        return self._head(x, embedding), aux
+
+    def _head(self, x, embedding):
+        cfg = self.config
         if cfg.tie_embeddings:
             logits = jnp.dot(x.astype(jnp.float32), embedding.astype(jnp.float32).T)
         else:
-            logits = Dense(cfg.vocab_size, ("embed", "vocab"), dtype=dt, param_dtype=pdt,
-                           name="head")(x)
-        return logits.astype(jnp.float32), aux
+            logits = Dense(cfg.vocab_size, ("embed", "vocab"), dtype=dtype_of(cfg.dtype),
+                           param_dtype=dtype_of(cfg.param_dtype), name="head")(x)
+        return logits.astype(jnp.float32)
 
 
 def build_model(model_config: ModelConfig) -> HybridLM:
