@@ -1,0 +1,104 @@
+"""ModelConfig.scan_layers: the same model as the unrolled layers, with memory flat in depth."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from hybridmoe import build_model
+from hybridmoe import config as C
+from hybridmoe.train.step import cross_entropy
+from tests.model_utils import small_config
+
+PATTERN = "KKKM"
+
+
+def _stacked(unrolled: dict, groups: int, period: int) -> dict:
+    """Unrolled HybridLM variables -> scan_layers variables (layer g·P + j -> layers/layer_j[g])."""
+    out = {k: v for k, v in unrolled.items() if not k.startswith("layer_")}
+    per_j: dict[str, list] = {}
+    for name in sorted(k for k in unrolled if k.startswith("layer_")):
+        index, rest = re.fullmatch(r"layer_(\d+)_(.+)", name).groups()
+        g, j = divmod(int(index), period)
+        per_j.setdefault(f"layer_{j}_{rest}", [None] * groups)[g] = unrolled[name]
+    out["layers"] = {k: jax.tree.map(lambda *xs: jnp.stack(xs), *v) for k, v in per_j.items()}
+    return out
+
+
+def _loss(model, variables, tokens, segment_ids):
+    def loss(params):
+        (logits, aux), updated = model.apply({"params": params, "router": variables["router"]}, tokens,
+                                             segment_ids=segment_ids, mutable=["router"])
+        ce = cross_entropy(logits, tokens, jnp.ones_like(tokens, jnp.float32))[0]
+        return ce + aux["aux_loss"], (aux, updated)
+    return jax.value_and_grad(loss, has_aux=True)(variables["params"])
+
+
+@pytest.mark.parametrize("remat", ["none", "all"])
+def test_scanned_layers_equal_the_unrolled_model(remat):
+    cfg = small_config(num_layers=8, remat=remat, router=C.RouterConfig(name="quantile"))
+    tokens = jax.random.randint(jax.random.key(0), (2, 40), 0, cfg.vocab_size)
+    segments = jnp.concatenate([jnp.ones((2, 25), jnp.int32), jnp.full((2, 15), 2, jnp.int32)], axis=1)
+    unrolled = build_model(cfg)
+    scanned = build_model(dataclasses.replace(cfg, scan_layers=True))
+    v_unrolled = nn.unbox(unrolled.init(jax.random.key(1), tokens))
+    v_scanned = jax.tree.map(lambda *x: x[0], nn.unbox(scanned.init(jax.random.key(1), tokens)))
+    mapped = {c: _stacked(v_unrolled[c], 2, len(PATTERN)) for c in v_unrolled}
+    assert jax.tree.structure(mapped) == jax.tree.structure(v_scanned)
+
+    (l_u, (aux_u, upd_u)), g_u = _loss(unrolled, v_unrolled, tokens, segments)
+    (l_s, (aux_s, upd_s)), g_s = _loss(scanned, mapped, tokens, segments)
+    np.testing.assert_allclose(l_s, l_u, rtol=1e-5)
+    assert sorted(aux_s["router"]) == sorted(aux_u["router"]) == [f"layer_{i}" for i in range(8)]
+    for a, b in zip(jax.tree.leaves(aux_s["router"]), jax.tree.leaves(aux_u["router"])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(_stacked(g_u, 2, len(PATTERN)))):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    # The next batch's router state, group by group.
+    for a, b in zip(jax.tree.leaves(upd_s["router"]), jax.tree.leaves(_stacked(upd_u["router"], 2, 4))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_scanned_parameters_keep_their_logical_axes_behind_a_layer_axis():
+    cfg = small_config(num_layers=8, scan_layers=True)
+    variables = build_model(cfg).init(jax.random.key(1), jnp.zeros((1, 16), jnp.int32))
+    kernel = variables["params"]["layers"]["layer_0_kda"]["w_q"]["kernel"]
+    assert isinstance(kernel, nn.LogicallyPartitioned)
+    assert kernel.value.shape[0] == 2 and kernel.names[0] is None and len(kernel.names) == kernel.value.ndim
+
+
+def _temp_bytes(num_layers: int, scan: bool) -> int:
+    cfg = small_config(num_layers=num_layers, scan_layers=scan, remat="all", d_model=256,
+                       kda=C.KDAConfig(num_heads=4, head_dim=64, chunk_size=64, backend="xla"))
+    model = build_model(cfg)
+    tokens = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 64), jnp.int32))
+
+    def loss(params, router, tokens):
+        (logits, aux), _ = model.apply({"params": params, "router": router}, tokens, mutable=["router"])
+        return cross_entropy(logits, tokens, jnp.ones(tokens.shape, jnp.float32))[0] + aux["aux_loss"]
+    compiled = jax.jit(jax.grad(loss)).lower(variables["params"], variables["router"], tokens).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_scanned_layers_keep_backward_memory_flat_in_depth():
+    # Unrolled, each remat'd layer adds backward temporaries of its own (XLA does not reuse them
+    # across layers); scanned, the groups share one set and only the saved group inputs grow.
+    grow_unrolled = _temp_bytes(8, False) - _temp_bytes(4, False)
+    grow_scanned = _temp_bytes(8, True) - _temp_bytes(4, True)
+    assert grow_scanned < 0.5 * grow_unrolled, (grow_scanned, grow_unrolled)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(attn_res=C.AttnResConfig(mode="block")), "AttnResConfig.mode"),
+    (dict(num_layers=6), "ModelConfig.num_layers"),
+    (dict(moe=C.MoEConfig(first_k_dense=1)), "MoEConfig.first_k_dense"),
+])
+def test_scan_layers_refuses_configs_it_cannot_scan(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        small_config(scan_layers=True, num_layers=8, **overrides)
