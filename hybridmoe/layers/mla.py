@@ -90,7 +90,9 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
                      else jax.lax.dynamic_slice_in_dim(ids_p, start, query_block, axis=1))
             return _attend(q_i, k, v, ids_i, scale, kv_ids, q_offset + start)
 
-        out = jax.lax.map(block, jnp.arange(blocks))  # [N, B, block, H, Dv]
+        # Each block is rematerialised: the backward keeps one block's logits at a time instead of
+        # every block's softmax (which together are the whole [T, S] matrix again).
+        out = jax.lax.map(jax.checkpoint(block), jnp.arange(blocks))  # [N, B, block, H, Dv]
         out = jnp.moveaxis(out, 0, 1).reshape(q.shape[:1] + (blocks * query_block,) + out.shape[-2:])
         return out[:, :t]
     return _attend(q, k, v, segment_ids, scale, kv_segment_ids, q_offset)

@@ -227,12 +227,15 @@ def test_query_blocks_compute_the_same_attention(with_segments):
         xla_attention(q, k, v, ids, 0.3, query_block=0)
 
 
-def test_long_ragged_queries_never_hold_the_whole_logit_matrix():
+def test_long_ragged_queries_never_hold_the_whole_logit_matrix():  # forward and backward
     # T·S above QUERY_BLOCK_MIN_LOGITS with T not a multiple of QUERY_BLOCK (a prompt plus its answer):
     # the default still works in blocks, so temporaries stay far below one [T, S] fp32 matrix.
     t = 32768 + 5
     q = jax.ShapeDtypeStruct((1, t, 1, 8), jnp.float32)
     v = jax.ShapeDtypeStruct((1, t, 1, 4), jnp.float32)
-    compiled = jax.jit(lambda q, k, v: xla_attention(q, k, v, None, 0.3)).lower(q, q, v).compile()
     whole_matrix = t * t * 4
+    compiled = jax.jit(lambda q, k, v: xla_attention(q, k, v, None, 0.3)).lower(q, q, v).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < whole_matrix / 4
+    # The backward too: it must not keep every block's softmax for the gradient.
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(xla_attention(q, k, v, None, 0.3)), argnums=(0, 1, 2)))
+    assert grad.lower(q, q, v).compile().memory_analysis().temp_size_in_bytes < whole_matrix / 3
