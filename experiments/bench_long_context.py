@@ -33,6 +33,7 @@ flags.DEFINE_list("lengths", ["8192", "65536", "262144", "1048576"], "Sequence l
 flags.DEFINE_integer("repeats", 3, "Timed repeats per measurement (median).")
 flags.DEFINE_bool("split", True, "Also time isolated KDA / MLA / MoE sublayers.")
 flags.DEFINE_string("out", "", "Write OUT.json and OUT.md (rows of every length) when set.")
+flags.DEFINE_integer("warm_up_below", 262144, "Lengths below this get an untimed warm-up call.")
 flags.DEFINE_bool("merge", False, "Keep OUT.json's rows of lengths not measured in this run.")
 flags.DEFINE_integer("child_len", 0, "Internal: measure this one length and print its row.")
 FLAGS = flags.FLAGS
@@ -40,8 +41,17 @@ FLAGS = flags.FLAGS
 ROW_PREFIX = "ROW "
 
 
-def _median_s(fn, *args, warm_up: bool = True) -> float:
-    if warm_up:  # compile + warm-up
+def _compiled(fn, *args):
+    """fn compiled ahead of time for args, and the seconds compiling took."""
+    start = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def _median_s(fn, *args) -> float:
+    """Median seconds of compiled fn over --repeats calls, after one untimed call below
+    --warm_up_below tokens (above, one call takes seconds to minutes and nothing is left to warm)."""
+    if FLAGS.child_len < FLAGS.warm_up_below:
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(FLAGS.repeats):
@@ -61,7 +71,7 @@ def _sublayer_s(module, x, *extra) -> float:
         out = out[0] if isinstance(out, tuple) else out
         return jnp.mean(out.astype(jnp.float32) ** 2)
 
-    return _median_s(jax.jit(jax.grad(loss, argnums=(0, 1))), params, x)
+    return _median_s(_compiled(jax.jit(jax.grad(loss, argnums=(0, 1))), params, x)[0], params, x)
 
 
 def measure(t: int) -> dict:
@@ -86,12 +96,8 @@ def measure(t: int) -> dict:
                                        segment_ids=segments, mutable=["router"])
         return cross_entropy(logits, targets, jnp.ones_like(targets, jnp.float32))[0] + aux["aux_loss"]
 
-    step = jax.jit(jax.value_and_grad(loss))
-    start = time.perf_counter()
-    jax.block_until_ready(step(variables["params"]))
-    compile_s = time.perf_counter() - start
-    # The compiling call above is the warm-up (at 1M one step takes minutes).
-    step_s = _median_s(step, variables["params"], warm_up=False)
+    step, compile_s = _compiled(jax.jit(jax.value_and_grad(loss)), variables["params"])
+    step_s = _median_s(step, variables["params"])
     stats = jax.devices()[0].memory_stats() or {}
     row = {"T": t, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "step_s": step_s, "compile_s": compile_s,
@@ -122,7 +128,7 @@ def measure(t: int) -> dict:
 
 def _run_child(t: int) -> dict:
     argv = [sys.executable, "-m", "experiments.bench_long_context", f"--child_len={t}",
-            f"--repeats={FLAGS.repeats}", f"--split={FLAGS.split}"]
+            f"--repeats={FLAGS.repeats}", f"--split={FLAGS.split}", f"--warm_up_below={FLAGS.warm_up_below}"]
     argv += [f"--gin_file={g}" for g in FLAGS.gin_file] + [f"--gin_param={p}" for p in FLAGS.gin_param]
     # The parent never touches the device; each child may take nearly all of its memory.
     env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
@@ -145,17 +151,22 @@ def write_tables(rows: list[dict], out: str) -> None:
             "repeats": FLAGS.repeats, "rows_are": "one row of T tokens, one document"}
     with open(out + ".json", "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(out + ".md", "w", encoding="utf-8") as f:
+        f.write(markdown_table(rows))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per length; a failed length shows its error's last line."""
     lines = ["| T | step s | tokens/s | KDA s | MLA s | MoE s | KDA us/token | peak GiB | compile s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['T']} | failed: {r['error'][:120]} |||||||")
+            lines.append(f"| {r['T']} | failed: {r['error'].split(' | ')[-1][:160]} |||||||")
             continue
         cells = [r["T"], f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.0f}", _cell(r, "kda_s"),
                  _cell(r, "mla_s"), _cell(r, "moe_s"), _cell(r, "kda_us_per_token"), f"{r['peak_gib']:.1f}", f"{r['compile_s']:.0f}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    with open(out + ".md", "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv):

@@ -108,6 +108,10 @@ class MLAConfig:
     rope_base: float = 10000.0
     output_gate: bool = True
     backend: str = "xla"
+    # cudnn backend: documents per row it can express (rows with more come back NaN). cuDNN's packed
+    # backward keeps a workspace per segment slot, about 6 KiB per token and slot at 8 heads x 192:
+    # 256 slots are 1.5 MiB per token, so long single-document stages want a handful.
+    max_segments: int = 256
 
     def __post_init__(self):
         name = "MLAConfig"
@@ -119,6 +123,7 @@ class MLAConfig:
         if self.use_rope and self.qk_rope_head_dim % 2:
             _fail(name, "qk_rope_head_dim", self.qk_rope_head_dim, "even when use_rope=True")
         _check_in(name, "backend", self.backend, ("xla", "cudnn", "pallas"))
+        _check_positive(name, max_segments=self.max_segments)
 
 
 @gin.configurable

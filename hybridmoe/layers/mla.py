@@ -194,6 +194,8 @@ class MLA(nn.Module):
             if arr is not None:
                 chex.assert_shape(arr, (b, t), custom_message=f"MLA {name}")
         attend = attention_backend(cfg.backend)
+        if cfg.backend == "cudnn":
+            attend = functools.partial(attend, max_segments=cfg.max_segments)
         if cfg.use_rope and positions is None:
             positions = (positions_from_segments(segment_ids) if segment_ids is not None
                          else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))

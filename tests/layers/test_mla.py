@@ -239,3 +239,19 @@ def test_long_ragged_queries_never_hold_the_whole_logit_matrix():  # forward and
     # The backward too: it must not keep every block's softmax for the gradient.
     grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(xla_attention(q, k, v, None, 0.3)), argnums=(0, 1, 2)))
     assert grad.lower(q, q, v).compile().memory_analysis().temp_size_in_bytes < whole_matrix / 3
+
+
+def test_cudnn_backend_gets_the_configured_max_segments(monkeypatch):
+    from hybridmoe.layers import mla as mla_module
+    seen = []
+
+    def fake_cudnn(q, k, v, segment_ids, scale, max_segments):  # records what MLA passes on
+        seen.append(max_segments)
+        return xla_attention(q, k, v, segment_ids, scale)
+
+    monkeypatch.setitem(mla_module.ATTENTION_BACKENDS, "cudnn", fake_cudnn)
+    x = jax.random.normal(jax.random.key(0), (1, 8, D_MODEL))
+    _init(_cfg(backend="cudnn", max_segments=3), x)
+    assert seen and set(seen) == {3}
+    with pytest.raises(ValueError, match="MLAConfig.max_segments must be"):
+        _cfg(max_segments=0)
