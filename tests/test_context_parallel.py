@@ -94,7 +94,10 @@ def test_kda_refuses_shards_it_cannot_run(seq_len, kda_cfg, message):
 
 
 def test_mla_refuses_a_backend_without_query_offsets(monkeypatch):
-    monkeypatch.setitem(mla_module.ATTENTION_BACKENDS, "cudnn", mla_module.xla_attention)
+    def stand_in(q, k, v, segment_ids, scale, max_segments):  # cudnn_attention's signature, runs on the CPU
+        return mla_module.xla_attention(q, k, v, segment_ids, scale)
+
+    monkeypatch.setitem(mla_module.ATTENTION_BACKENDS, "cudnn", stand_in)
     module = MLA(dataclasses.replace(MLA_CFG, backend="cudnn"), D_MODEL)
     x = jax.ShapeDtypeStruct((2, 32, D_MODEL), jnp.float32)
     variables = nn.unbox(jax.eval_shape(module.init, jax.random.key(0), x))

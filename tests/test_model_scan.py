@@ -78,4 +78,4 @@ def test_scanned_parameters_keep_their_logical_axes_behind_a_layer_axis():
 ])
 def test_scan_layers_refuses_configs_it_cannot_scan(overrides, field):
     with pytest.raises(ValueError, match=field):
-        small_config(scan_layers=True, num_layers=8, **overrides)
+        small_config(**{"scan_layers": True, "num_layers": 8, **overrides})
