@@ -6,7 +6,7 @@
 set -u
 OUT=${OUT:-benchmarks/results}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kda kda_model attn_res attention long_context)
+[ ${#steps[@]} -eq 0 ] && steps=(kda kda_model attn_res attention memory long_context)
 for step in "${steps[@]}"; do
   echo "== $step"
   case $step in
@@ -21,8 +21,11 @@ for step in "${steps[@]}"; do
     attention)  # cuDNN MLA attention: packed-document isolation against XLA, then timings
       python3 -m experiments.verify_attention --seq_lens=1024,8192 --time_lens=8192,32768,131072 \
         --out="$OUT/mla_cudnn_h200" ;;
+    memory)  # compiled temporaries per token of each sublayer and of the 1M step (compile only)
+      python3 -m experiments.memory_sublayers --lengths=16384,65536 --model_lengths=65536,1048576 \
+        --out="$OUT/memory_h200" ;;
     long_context)  # small_h200.gin forward+backward at 8K, 64K, 256K, 1M
       python3 -m experiments.bench_long_context --out="$OUT/long_context_h200" ;;
-    *) echo "unknown step $step (kda, kda_model, attn_res, attention, long_context)"; exit 2 ;;
+    *) echo "unknown step $step (kda, kda_model, attn_res, attention, memory, long_context)"; exit 2 ;;
   esac
 done
