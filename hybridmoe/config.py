@@ -236,10 +236,10 @@ class ModelConfig:
     # sublayers too (long context, where the expert buffers of every layer would not fit).
     remat: str = "none"
     # Run the layers as a scan over groups of `layer_pattern` (parameters stacked on a leading axis,
-    # under "layers"). XLA then reuses one group's buffers for every group: with the layers
-    # unrolled, the backward's temporaries grow with depth even under remat (DESIGN §3.6, the 1M
-    # run). Needs AttnRes mode "none", no dense first layers and num_layers a multiple of the
-    # pattern (with last_layer_mla, a pattern that ends in M).
+    # under "layers"): one group is compiled, and its backward buffers are reused by every group
+    # (on the CPU, unrolled remat'd KDA layers grow ~38 KiB per token per layer; scanned, flat —
+    # benchmarks/notes_long_context.md). Needs AttnRes mode "none", no dense first layers and
+    # num_layers a multiple of the pattern (with last_layer_mla, a pattern that ends in M).
     scan_layers: bool = False
 
     def __post_init__(self):

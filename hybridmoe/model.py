@@ -94,14 +94,14 @@ class HybridLM(nn.Module):
         embedding = param_with_axes(self, "embedding", nn.initializers.normal(1.0),
                                     (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt)
         x = jnp.take(embedding, tokens, axis=0).astype(dt)
-        use_sites = cfg.attn_res.mode != "none"
-        stream = ResidualStream(cfg.attn_res, x)
         aux: dict[str, Any] = {"router": {}, "aux_loss": jnp.zeros((), jnp.float32)}
-
         if cfg.scan_layers:
             x = self._scanned_layers(x, segment_ids, positions, aux)
             x = RMSNorm(cfg.norm_eps, dt, pdt, name="final_norm")(x)
             return self._head(x, embedding), aux
+
+        use_sites = cfg.attn_res.mode != "none"
+        stream = ResidualStream(cfg.attn_res, x)
 
         for i, kind in enumerate(cfg.layer_kinds):
             attn, ffn = _sublayers(cfg, i, kind)
