@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -16,22 +17,40 @@ from hybridmoe.layers.mla import MLA
 from hybridmoe.layers.moe import DenseFFN, MoE
 
 
-def _sublayers(cfg: ModelConfig, index: int, kind: str):
-    """The attention (KDA or MLA) and FFN (dense or MoE) modules of layer `index`, remat applied."""
+def _attention(mdl: nn.Module, x, segment_ids, positions, *, cfg: ModelConfig, index: int, kind: str):
+    """Layer `index`'s attention branch: RMSNorm -> KDA or MLA, on the branch input x [B, T, d]."""
     dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
     common = dict(d_model=cfg.d_model, dtype=dt, param_dtype=pdt, norm_eps=cfg.norm_eps)
-    remat = cfg.remat in ("full", "all")
-    remat_ffn = cfg.remat == "all"
+    h = RMSNorm(cfg.norm_eps, dt, pdt, name=f"layer_{index}_attn_norm")(x)
     if kind == "K":
-        attn = (nn.remat(KDA) if remat else KDA)(cfg.kda, name=f"layer_{index}_kda", **common)
-    else:
-        attn = (nn.remat(MLA) if remat else MLA)(cfg.mla, name=f"layer_{index}_mla", **common)
+        return KDA(cfg.kda, name=f"layer_{index}_kda", **common)(h, segment_ids)
+    return MLA(cfg.mla, name=f"layer_{index}_mla", **common)(h, segment_ids, positions)
+
+
+def _ffn(mdl: nn.Module, x, *, cfg: ModelConfig, index: int):
+    """Layer `index`'s FFN branch: RMSNorm -> dense FFN or MoE. -> (y, MoE aux or None)."""
+    dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
+    h = RMSNorm(cfg.norm_eps, dt, pdt, name=f"layer_{index}_ffn_norm")(x)
     if index < cfg.moe.first_k_dense:
-        ffn = (nn.remat(DenseFFN) if remat_ffn else DenseFFN)(width=cfg.moe.dense_width, d_model=cfg.d_model,
-                       activation=cfg.moe.activation, dtype=dt, param_dtype=pdt,
-                       name=f"layer_{index}_ffn")
-    else:
-        ffn = (nn.remat(MoE) if remat_ffn else MoE)(cfg.moe, cfg.router, name=f"layer_{index}_moe", **common)
+        return DenseFFN(width=cfg.moe.dense_width, d_model=cfg.d_model, activation=cfg.moe.activation,
+                        dtype=dt, param_dtype=pdt, name=f"layer_{index}_ffn")(h), None
+    return MoE(cfg.moe, cfg.router, d_model=cfg.d_model, dtype=dt, param_dtype=pdt, norm_eps=cfg.norm_eps,
+               name=f"layer_{index}_moe")(h)
+
+
+def _branches(cfg: ModelConfig, index: int, kind: str):
+    """(attention, ffn) branch functions of layer `index`, called as f(module, x, ...), remat applied.
+
+    The pre-norm sits inside the rematerialised function, so a remat'd branch keeps only its input
+    [B, T, d] for the backward pass: with the norm outside, each branch also kept the normalised copy
+    and the norm's fp32 intermediates, per token per sublayer (the bulk of a deep long-context step).
+    """
+    attn = functools.partial(_attention, cfg=cfg, index=index, kind=kind)
+    ffn = functools.partial(_ffn, cfg=cfg, index=index)
+    if cfg.remat in ("full", "all"):
+        attn = nn.remat(attn)
+    if cfg.remat == "all":
+        ffn = nn.remat(ffn)
     return attn, ffn
 
 
@@ -47,14 +66,11 @@ class LayerGroup(nn.Module):
     @nn.compact
     def __call__(self, x, segment_ids, positions):
         cfg = self.config
-        dt, pdt = dtype_of(cfg.dtype), dtype_of(cfg.param_dtype)
         stats, aux_loss = {}, jnp.zeros((), jnp.float32)
         for j, kind in enumerate(cfg.layer_pattern):
-            attn, ffn = _sublayers(cfg, j, kind)
-            h = RMSNorm(cfg.norm_eps, dt, pdt, name=f"layer_{j}_attn_norm")(x)
-            x = x + (attn(h, segment_ids) if kind == "K" else attn(h, segment_ids, positions))
-            h = RMSNorm(cfg.norm_eps, dt, pdt, name=f"layer_{j}_ffn_norm")(x)
-            y, moe_aux = ffn(h)
+            attn, ffn = _branches(cfg, j, kind)
+            x = x + attn(self, x, segment_ids, positions)
+            y, moe_aux = ffn(self, x)
             stats[f"layer_{j}"] = moe_aux["router_stats"]
             aux_loss = aux_loss + moe_aux["aux_loss"]
             x = x + y
@@ -104,22 +120,14 @@ class HybridLM(nn.Module):
         stream = ResidualStream(cfg.attn_res, x)
 
         for i, kind in enumerate(cfg.layer_kinds):
-            attn, ffn = _sublayers(cfg, i, kind)
+            attn, ffn = _branches(cfg, i, kind)
             site = AttnResSite(eps=cfg.norm_eps, name=f"attn_res_{i}_attn") if use_sites else None
-            h = RMSNorm(cfg.norm_eps, dt, pdt, name=f"layer_{i}_attn_norm")(stream.sublayer_input(site))
-            if kind == "K":
-                stream.add(attn(h, segment_ids))
-            else:
-                stream.add(attn(h, segment_ids, positions))
-
+            stream.add(attn(self, stream.sublayer_input(site), segment_ids, positions))
             site = AttnResSite(eps=cfg.norm_eps, name=f"attn_res_{i}_ffn") if use_sites else None
-            h = RMSNorm(cfg.norm_eps, dt, pdt, name=f"layer_{i}_ffn_norm")(stream.sublayer_input(site))
-            if i >= cfg.moe.first_k_dense:  # a MoE layer (remat may have wrapped its class)
-                y, moe_aux = ffn(h)
+            y, moe_aux = ffn(self, stream.sublayer_input(site))
+            if moe_aux is not None:
                 aux["router"][f"layer_{i}"] = moe_aux["router_stats"]
                 aux["aux_loss"] = aux["aux_loss"] + moe_aux["aux_loss"]
-            else:
-                y = ffn(h)
             stream.add(y)
             stream.end_layer(i)
 
