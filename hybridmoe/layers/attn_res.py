@@ -27,7 +27,9 @@ at the first sublayer of the model (the embedding is the only source) in `block`
 
 Cost: the per-site key scale is folded into the query, keys · w = rms_normalize(v) · (scale ⊙ w),
 and the normalisation into a per-token factor after the dot, so a site reads each source twice
-(logits, mix) and keeps no copy of it for the backward pass.
+(logits, mix) and keeps no copy of it for the backward pass. On a GPU `attn_res_mix` runs the fused
+kernels of `pallas_kernels.attn_res` instead: one kernel forward and one backward per site, each
+reading every source once, in place of the many small XLA kernels of this version and its autodiff.
 """
 
 from __future__ import annotations
@@ -41,17 +43,32 @@ import jax.numpy as jnp
 
 from hybridmoe.config import AttnResConfig
 from hybridmoe.layers.common import param_with_axes
+from pallas_kernels.attn_res import attn_res_mix_fused, is_supported
+
+
+IMPLS = ("auto", "xla", "pallas", "interpret")
 
 
 def attn_res_mix(sources: jax.Array | Sequence[jax.Array], query: jax.Array,
-                 key_norm_scale: jax.Array, eps: float = 1e-6) -> jax.Array:
+                 key_norm_scale: jax.Array, eps: float = 1e-6, *, impl: str = "auto") -> jax.Array:
     """Softmax-over-depth mix of sources, keyed by their RMS-normalised values.
 
     sources [S, B, T, d] (or a sequence of S arrays [B, T, d]), query [d], key_norm_scale [d]
     -> [B, T, d] in the sources' dtype.
     logits_s = (RMSNorm(sources_s) ⊙ scale) · query (no 1/√d); softmax over S in fp32;
     output = Σ_s softmax_s · sources_s (the raw sources, not the normalised keys).
+
+    impl: "xla" is the code below (the reference); "pallas" the fused kernels of
+    `pallas_kernels.attn_res` (one kernel forward, one backward; d a power of two >= 16),
+    "interpret" those kernels in Pallas interpret mode (any backend, for tests); "auto" takes
+    "pallas" on a GPU when d allows it and S >= 2, else "xla".
     """
+    if impl not in IMPLS:
+        raise ValueError(f"attn_res_mix.impl must be one of {', '.join(map(repr, IMPLS))}, "
+                         f"got {impl!r}")
+    if _fused(impl, d=sources[0].shape[-1], num_sources=len(sources)):
+        q = key_norm_scale.astype(jnp.float32) * query.astype(jnp.float32)
+        return attn_res_mix_fused(list(sources), q, eps, interpret=impl == "interpret")
     dtype = sources[0].dtype
     xs = [x.astype(jnp.float32) for x in sources]  # S × [B, T, d]
     chex.assert_rank(xs, 3)
@@ -71,6 +88,13 @@ def attn_res_mix(sources: jax.Array | Sequence[jax.Array], query: jax.Array,
     for w, x in zip(weights[1:], xs[1:]):
         out = out + w[..., None] * x
     return out.astype(dtype)
+
+
+def _fused(impl: str, *, d: int, num_sources: int) -> bool:
+    """Whether attn_res_mix runs the fused kernels. With S = 1 the XLA code is one multiply by 1."""
+    if impl == "auto":
+        return jax.default_backend() == "gpu" and is_supported(d) and num_sources >= 2
+    return impl in ("pallas", "interpret")
 
 
 def _inv_rms(x: jax.Array, eps: float) -> jax.Array:
