@@ -96,14 +96,18 @@ def measure(t: int) -> dict:
                                        segment_ids=segments, mutable=["router"])
         return cross_entropy(logits, targets, jnp.ones_like(targets, jnp.float32))[0] + aux["aux_loss"]
 
-    step, compile_s = _compiled(jax.jit(jax.value_and_grad(loss)), variables["params"])
-    step_s = _median_s(step, variables["params"])
+    row = {"T": t, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    try:  # a step that does not fit must not lose the sublayer times below
+        step, compile_s = _compiled(jax.jit(jax.value_and_grad(loss)), variables["params"])
+        step_s = _median_s(step, variables["params"])
+        del step
+        row.update(step_s=step_s, compile_s=compile_s, tokens_per_s=t / step_s)
+        logging.info("T=%d step %.3f s", t, step_s)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        row["step_error"] = str(e).splitlines()[0][:300]
+        logging.warning("T=%d step failed: %s", t, row["step_error"])
     stats = jax.devices()[0].memory_stats() or {}
-    row = {"T": t, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-           "step_s": step_s, "compile_s": compile_s,
-           "peak_gib": stats.get("peak_bytes_in_use", float("nan")) / 2**30,
-           "tokens_per_s": t / step_s}
-    logging.info("T=%d step %.3f s, peak %.1f GiB", t, step_s, row["peak_gib"])
+    row["peak_gib"] = stats.get("peak_bytes_in_use", float("nan")) / 2**30
     del variables
     if FLAGS.split:
         dt = dtype_of(cfg.dtype)
@@ -163,10 +167,13 @@ def markdown_table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['T']} | failed: {r['error'].split(' | ')[-1][:160]} |||||||")
             continue
-        cells = [r["T"], f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.0f}", _cell(r, "kda_s"),
-                 _cell(r, "mla_s"), _cell(r, "moe_s"), _cell(r, "kda_us_per_token"), f"{r['peak_gib']:.1f}", f"{r['compile_s']:.0f}"]
+        step = [f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.0f}"] if "step_s" in r else ["failed", "-"]
+        cells = [r["T"], *step, _cell(r, "kda_s"), _cell(r, "mla_s"), _cell(r, "moe_s"),
+                 _cell(r, "kda_us_per_token"), f"{r['peak_gib']:.1f}",
+                 f"{r['compile_s']:.0f}" if "compile_s" in r else "-"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines) + "\n"
+    errors = [f"- T = {r['T']}: the step failed: {r['step_error']}" for r in rows if "step_error" in r]
+    return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
 
 
 def main(argv):

@@ -9,8 +9,8 @@ path's own error plus 1e-3 (both round their output and source gradients to bf16
 
 Timing: `--sites` sites per jitted step, each with its own sources (so no site reads what the previous one left in
 the 60 MB L2), forward and forward+backward (one vjp per site with a random cotangent); the step is timed with the
-device synchronised before each host clock read, the median of `--repeats` steps over two rotating input sets,
-divided by the number of sites. Floors at 4.3 TB/s: forward reads S sources and writes one output; forward+backward
+device synchronised before each host clock read around batches of 10 back-to-back steps (after a 0.5 s warm-up),
+the median over `--repeats` batches with two rotating input sets, divided by the number of sites. Floors at 4.3 TB/s: forward reads S sources and writes one output; forward+backward
 adds reading the S sources and the output gradient and writing S source gradients: (3S + 2)·N·d·e bytes.
 """
 
@@ -122,17 +122,25 @@ def _step(impl, tuning):
     return fwd, fwdbwd
 
 
-def _median_ms(fn, arg_sets, repeats):
+def _median_ms(fn, arg_sets, repeats, batch=10, warm_s=0.5):
+    """Median ms per call over `repeats` batches of `batch` back-to-back calls (rotating input sets).
+
+    The device is synchronised before each host clock read; within a batch the calls queue without host
+    gaps. A warm-up of at least warm_s seconds first lets the clocks rise from idle.
+    """
     jax.block_until_ready(fn(*arg_sets[0]))  # compile
-    for args in arg_sets:
-        jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    while time.perf_counter() - start < warm_s:
+        for args in arg_sets:
+            jax.block_until_ready(fn(*args))
     times = []
     for i in range(repeats):
-        args = arg_sets[i % len(arg_sets)]
-        jax.block_until_ready(args)
+        jax.block_until_ready(arg_sets)
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
+        for j in range(batch):
+            out = fn(*arg_sets[(i + j) % len(arg_sets)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) * 1e3 / batch)
     return statistics.median(times), (min(times), max(times))
 
 

@@ -233,7 +233,9 @@ class ModelConfig:
     dtype: str = "bfloat16"  # activation / compute dtype
     param_dtype: str = "float32"
     # "none"; "full": rematerialise each attention sublayer in the backward pass; "all": the FFN/MoE
-    # sublayers too (long context, where the expert buffers of every layer would not fit).
+    # sublayers too (long context, where the expert buffers of every layer would not fit); "group"
+    # (scan_layers only): "all" inside each scanned group, and the group itself rematerialised, so
+    # the backward pass keeps one [B, T, d] input per group instead of one per sublayer.
     remat: str = "none"
     # Run the layers as a scan over groups of `layer_pattern` (parameters stacked on a leading axis,
     # under "layers"): one group is compiled, and its backward buffers are reused by every group
@@ -252,7 +254,9 @@ class ModelConfig:
                   "a non-empty string of letters in {K, M}")
         _check_in(name, "dtype", self.dtype, ("bfloat16", "float32"))
         _check_in(name, "param_dtype", self.param_dtype, ("bfloat16", "float32"))
-        _check_in(name, "remat", self.remat, ("none", "full", "all"))
+        _check_in(name, "remat", self.remat, ("none", "full", "all", "group"))
+        if self.remat == "group" and not self.scan_layers:
+            _fail(name, "remat", self.remat, "'none', 'full' or 'all' unless scan_layers=True")
         _check_range(name, "norm_eps", self.norm_eps, 0.0, 1e-2, lo_open=True)
         if self.moe.first_k_dense > self.num_layers:
             _fail("MoEConfig", "first_k_dense", self.moe.first_k_dense,

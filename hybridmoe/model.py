@@ -47,9 +47,9 @@ def _branches(cfg: ModelConfig, index: int, kind: str):
     """
     attn = functools.partial(_attention, cfg=cfg, index=index, kind=kind)
     ffn = functools.partial(_ffn, cfg=cfg, index=index)
-    if cfg.remat in ("full", "all"):
+    if cfg.remat in ("full", "all", "group"):
         attn = nn.remat(attn)
-    if cfg.remat == "all":
+    if cfg.remat in ("all", "group"):
         ffn = nn.remat(ffn)
     return attn, ffn
 
@@ -91,7 +91,10 @@ class HybridLM(nn.Module):
         cfg = self.config
         period = len(cfg.layer_pattern)
         groups = cfg.num_layers // period
-        scan = nn.scan(LayerGroup, variable_axes={"params": 0, "router": 0},
+        # remat="group": the backward recomputes a whole group from its input; inside it each
+        # branch is rematerialised again, so only that group's branch inputs are held at a time.
+        body = nn.remat(LayerGroup, prevent_cse=False) if cfg.remat == "group" else LayerGroup
+        scan = nn.scan(body, variable_axes={"params": 0, "router": 0},
                        split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
                        length=groups, metadata_params={nn.PARTITION_NAME: None})
         # A scan body takes and returns its carry first: x.

@@ -38,13 +38,13 @@ def _loss(model, variables, tokens, segment_ids):
     return jax.value_and_grad(loss, has_aux=True)(variables["params"])
 
 
-@pytest.mark.parametrize("remat", ["none", "all"])
-def test_scanned_layers_equal_the_unrolled_model(remat):
+@pytest.mark.parametrize("remat, scanned_remat", [("none", "none"), ("all", "all"), ("all", "group")])
+def test_scanned_layers_equal_the_unrolled_model(remat, scanned_remat):
     cfg = small_config(num_layers=8, remat=remat, router=C.RouterConfig(name="quantile"))
     tokens = jax.random.randint(jax.random.key(0), (2, 40), 0, cfg.vocab_size)
     segments = jnp.concatenate([jnp.ones((2, 25), jnp.int32), jnp.full((2, 15), 2, jnp.int32)], axis=1)
     unrolled = build_model(cfg)
-    scanned = build_model(dataclasses.replace(cfg, scan_layers=True))
+    scanned = build_model(dataclasses.replace(cfg, scan_layers=True, remat=scanned_remat))
     v_unrolled = nn.unbox(unrolled.init(jax.random.key(1), tokens))
     v_scanned = jax.tree.map(lambda *x: x[0], nn.unbox(scanned.init(jax.random.key(1), tokens)))
     mapped = {c: _stacked(v_unrolled[c], 2, len(PATTERN)) for c in v_unrolled}
@@ -79,3 +79,8 @@ def test_scanned_parameters_keep_their_logical_axes_behind_a_layer_axis():
 def test_scan_layers_refuses_configs_it_cannot_scan(overrides, field):
     with pytest.raises(ValueError, match=field):
         small_config(**{"scan_layers": True, "num_layers": 8, **overrides})
+
+
+def test_group_remat_needs_scanned_layers():
+    with pytest.raises(ValueError, match="ModelConfig.remat.*scan_layers=True"):
+        small_config(num_layers=8, remat="group")
