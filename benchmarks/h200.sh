@@ -6,7 +6,7 @@
 set -u
 OUT=${OUT:-benchmarks/results}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(kda kda_model attn_res attention memory long_context)
+[ ${#steps[@]} -eq 0 ] && steps=(kda kda_model attn_res_kernel attn_res attention memory long_context)
 for step in "${steps[@]}"; do
   echo "== $step"
   case $step in
@@ -14,6 +14,8 @@ for step in "${steps[@]}"; do
       python3 -m experiments.bench_kda --repeats=20 --out_dir="$OUT" ;;
     kda_model)  # whole-model losses, Pallas vs XLA KDA
       python3 -m experiments.compare_kda_backends --steps=20 --out="$OUT/kda_model_check_h200" ;;
+    attn_res_kernel)  # the fused AttnRes mix against XLA on the GPU, then per-site timings
+      python3 -m experiments.verify_attn_res --tune --out="$OUT/attn_res_kernel_h200" ;;
     attn_res)  # residual-mode step time and memory, 16 layers
       python3 -m experiments.bench_attn_res --d_model=512 --heads=4 --seq_len=2048 --batch=4 \
         --dtype=bfloat16 --remats=none --experts=16 --rounds=10 --kda_backend=pallas \
@@ -26,6 +28,6 @@ for step in "${steps[@]}"; do
         --out="$OUT/memory_h200" ;;
     long_context)  # small_h200.gin forward+backward at 8K, 64K, 256K, 1M
       python3 -m experiments.bench_long_context --out="$OUT/long_context_h200" ;;
-    *) echo "unknown step $step (kda, kda_model, attn_res, attention, memory, long_context)"; exit 2 ;;
+    *) echo "unknown step $step (kda, kda_model, attn_res_kernel, attn_res, attention, memory, long_context)"; exit 2 ;;
   esac
 done
