@@ -178,6 +178,10 @@ class MoEConfig:
     routed_scaling: float = 1.0
     capacity_factor: float = 1.25  # capacity dispatch: slots per expert = ceil(cf · N · k / E)
     dispatch: str = "capacity"
+    # dropless only: run the expert dispatch over chunks of this many tokens, each rematerialised, so
+    # the dispatch's buffers (token copies, expert activations) scale with the chunk, not with B·T;
+    # 0 runs all tokens at once. Routing and its statistics always see every token.
+    dispatch_chunk: int = 0
     first_k_dense: int = 0  # the first k layers use a dense FFN of width dense_width
     dense_width: int = 1024
     latent_dim: int = 0  # 0: experts work at d_model; >0: down-project, experts, norm, up-project
@@ -195,6 +199,10 @@ class MoEConfig:
         _check_range(name, "routed_scaling", self.routed_scaling, 0.0, 100.0, lo_open=True)
         _check_range(name, "capacity_factor", self.capacity_factor, 0.0, 1e6, lo_open=True)
         _check_in(name, "dispatch", self.dispatch, ("capacity", "dropless"))
+        _check_non_negative(name, dispatch_chunk=self.dispatch_chunk)
+        if self.dispatch_chunk and self.dispatch != "dropless":
+            _fail(name, "dispatch_chunk", self.dispatch_chunk,
+                  "0 unless dispatch='dropless' (capacity slots are assigned over all tokens at once)")
 
 
 @gin.configurable

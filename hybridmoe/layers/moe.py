@@ -195,6 +195,31 @@ DISPATCH: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
     "capacity": dispatch_capacity, "dropless": dispatch_dropless_auto}
 
 
+def _chunked(dispatch: Callable[..., tuple[jax.Array, jax.Array]], x: jax.Array, expert_ids: jax.Array,
+             combine: jax.Array, mask: jax.Array, experts: ExpertWeights, *, chunk: int
+             ) -> tuple[jax.Array, jax.Array]:
+    """A dropless dispatch over consecutive chunks of `chunk` tokens (x [N, d] -> y [N, d], dropped).
+
+    Each chunk runs under jax.checkpoint inside a lax.map, so forward and backward hold one chunk's
+    dispatch buffers at a time. The last chunk is padded with inactive slots (mask False), which
+    dropless dispatch gives no output. Valid for dropless only: every token's result depends on its
+    own routing alone.
+    """
+    n = x.shape[0]
+    chunks = -(-n // chunk)
+    pad = lambda a, value: jnp.pad(a, [(0, chunks * chunk - n)] + [(0, 0)] * (a.ndim - 1),  # noqa: E731
+                                   constant_values=value)
+    split = lambda a: a.reshape(chunks, chunk, *a.shape[1:])  # noqa: E731
+    xs = tuple(split(pad(a, v)) for a, v in ((x, 0), (expert_ids, 0), (combine, 0), (mask, False)))
+
+    @jax.checkpoint
+    def one(args):
+        return dispatch(*args, experts)
+
+    y, dropped = jax.lax.map(one, xs)
+    return y.reshape(chunks * chunk, -1)[:n], jnp.sum(dropped)
+
+
 def combine_weights(weights: jax.Array, mask: jax.Array, routed_scaling: float) -> jax.Array:
     """weights, mask: [N, k] -> [N, k]: renormalised over the active slots, times routed_scaling.
 
@@ -294,8 +319,11 @@ def routed_experts(x: jax.Array, h: jax.Array, w_router: jax.Array, experts: tup
     combine = combine_weights(out.weights, out.mask, cfg.routed_scaling)
     capacity = (expert_capacity(t * b, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
                 if cfg.dispatch == "capacity" else None)
-    y, dropped = DISPATCH[cfg.dispatch](flat(h), out.expert_ids, combine, out.mask, ExpertWeights(*experts),
-                                        activation=cfg.activation, capacity=capacity, parallel=parallel)
+    dispatch = functools.partial(DISPATCH[cfg.dispatch], activation=cfg.activation, capacity=capacity,
+                                 parallel=parallel)
+    if cfg.dispatch_chunk and t * b > cfg.dispatch_chunk:
+        dispatch = functools.partial(_chunked, dispatch, chunk=cfg.dispatch_chunk)
+    y, dropped = dispatch(flat(h), out.expert_ids, combine, out.mask, ExpertWeights(*experts))
     total = (lambda v: v) if parallel is None else parallel.psum_tokens
     active = jnp.maximum(total(jnp.sum(out.mask, dtype=jnp.int32)), 1).astype(jnp.float32)
     stats = {**out.stats, "dropped_fraction": jax.lax.stop_gradient(total(dropped) / active)}

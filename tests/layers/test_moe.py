@@ -244,3 +244,39 @@ def test_dropless_rejects_a_capacity():
     with pytest.raises(ValueError, match="capacity=None"):
         dispatch_dropless(jnp.zeros((4, 2)), jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1)),
                           jnp.ones((4, 1), bool), None, activation="swiglu", capacity=3)
+
+
+@pytest.mark.parametrize("chunk", [5, 4])
+def test_chunked_dropless_dispatch_equals_one_pass(chunk):
+    """dispatch_chunk changes where the work runs, not what it computes: outputs, router stats and
+    gradients match the unchunked layer (B·T = 16: chunk 5 pads the last chunk, chunk 4 does not)."""
+    router_cfg = RouterConfig(name="quantile")
+    whole, chunked = _cfg(dispatch="dropless"), _cfg(dispatch="dropless", dispatch_chunk=chunk)
+    assert B * T > chunk
+    x, probe = _x(11), _normal(12, (B, T, D))
+    module, variables = _init(whole, router_cfg, x)
+
+    def run(cfg):
+        m = MoE(cfg, router_cfg, D, norm_eps=EPS)
+
+        def loss(params):
+            (y, aux), upd = m.apply({"params": params, "router": variables["router"]}, x, mutable=["router"])
+            return jnp.sum(y * probe), (y, aux["router_stats"], upd)
+        return jax.jit(jax.grad(loss, has_aux=True))(variables["params"])
+
+    (g_whole, out_whole), (g_chunk, out_chunk) = run(whole), run(chunked)
+    jaxpr = lambda cfg: str(jax.make_jaxpr(lambda p: MoE(cfg, router_cfg, D, norm_eps=EPS).apply(  # noqa: E731
+        {"params": p, "router": variables["router"]}, x))(variables["params"]))
+    assert "scan" in jaxpr(chunked) and "scan" not in jaxpr(whole)  # the chunked path really ran
+    np.testing.assert_allclose(out_chunk[0], out_whole[0], rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), out_chunk[1:], out_whole[1:])
+    assert float(jnp.abs(nn.unbox(g_chunk)["w_gate"]).max()) > 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), nn.unbox(g_chunk),
+                 nn.unbox(g_whole))
+
+
+def test_dispatch_chunk_needs_dropless():
+    with pytest.raises(ValueError, match="MoEConfig.dispatch_chunk.*dropless"):
+        _cfg(dispatch="capacity", dispatch_chunk=64)
+    with pytest.raises(ValueError, match="MoEConfig.dispatch_chunk"):
+        _cfg(dispatch="dropless", dispatch_chunk=-1)
