@@ -12,24 +12,27 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_core, k_base
-from pallas_kernels.kda.pallas_fwd import (chunk_tile, chunk_vector, compiler_params, input_specs, ref_chunk,
-                                           sequence_specs, with_precision)
+from pallas_kernels.kda.pallas_fwd import (chunk_tile, chunk_vector, compiler_params, input_specs, operand_cast,
+                                           ref_chunk, scan_load, sequence_specs, with_precision)
 
 _F32 = jnp.float32
 
 
 @with_precision
-def _state_grad_kernel(w_ref, qp_ref, kd_ref, d_ref, do_ref, ds_final_ref, ds_chunk_ref, dv_new_ref, ds_init_ref):
+def _state_grad_kernel(w_ref, qp_ref, kd_ref, d_ref, do_ref, ds_final_ref, ds_chunk_ref, dv_new_ref, ds_init_ref, *,
+                       low):
     """One (batch, value head, value tile), last chunk first. dS is the gradient of the chunk's outgoing state."""
     num_chunks = d_ref.shape[0]
+    cast, operand = operand_cast(low), scan_load(low)
 
     def step(i, ds):  # ds: [K, Vt] fp32
         n = num_chunks - 1 - i
-        load = lambda ref: ref[n].astype(_F32)  # noqa: E731
         ds_chunk_ref[n] = ds
-        dv_new = blk.mm(load(kd_ref), ds)
+        dv_new = blk.mm(operand(kd_ref, n), cast(ds, kd_ref))
         dv_new_ref[n] = dv_new
-        return d_ref[n][:, None] * ds + blk.mm_tn(load(qp_ref), load(do_ref)) - blk.mm_tn(load(w_ref), dv_new)
+        do = do_ref[n] if low else do_ref[n].astype(_F32)
+        return (d_ref[n][:, None] * ds + blk.mm_tn(operand(qp_ref, n), do.astype(qp_ref.dtype) if low else do)
+                - blk.mm_tn(operand(w_ref, n), cast(dv_new, w_ref)))
 
     ds_init_ref[...] = lax.fori_loop(0, num_chunks, step, ds_final_ref[...])
 
@@ -45,7 +48,7 @@ def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
     tile = min(tuning.state_tile, value_dim)
     keys, values, vector, states, time_major, state = sequence_specs(chunks // batch, key_dim, tile)
     return pl.pallas_call(
-        functools.partial(_state_grad_kernel, precision=precision),
+        functools.partial(_state_grad_kernel, precision=precision, low=tuning.scan_low_precision),
         grid=(batch, value_heads, value_dim // tile),
         in_specs=[keys(chunk)] * 3 + [vector, time_major(chunk), state],
         out_specs=[states, values(chunk), state],

@@ -34,6 +34,9 @@ class Tuning:
     # Scan only the states and compute o = ol + qp S from the stored states in a kernel parallel over chunks: two
     # matmuls and three loads per step on the serial path instead of three and five. Not yet timed on a GPU.
     separate_output: bool = False
+    # Multiply in the scans with the state (and v_new, dS) rounded to the stored intermediates' dtype (bf16 for bf16
+    # inputs), accumulating in fp32; the state itself stays fp32. False: TF32 products of fp32 operands.
+    scan_low_precision: bool = False
 
 
 def compiler_params(warps, stages=None):
@@ -50,6 +53,16 @@ def ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale)
         q=load(q_ref) * scale, k=load(k_ref), v=None if v_ref is None else load(v_ref), g=load(g_ref),
         beta=load(beta_ref)[:, None], doc=doc, doc_in=blk.element(prev_ref[...], 0),
         doc_last=blk.element(doc, size - 1), blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b)))
+
+
+def operand_cast(low):
+    """In a scan: rounds a carried fp32 operand to the dtype of the tile it meets (low precision), or leaves it."""
+    return (lambda x, ref: x.astype(ref.dtype)) if low else (lambda x, ref: x)
+
+
+def scan_load(low):
+    """In a scan: a stored chunk tile as a matmul operand, in its stored dtype (low precision) or in fp32."""
+    return (lambda ref, n: ref[n]) if low else (lambda ref, n: ref[n].astype(_F32))
 
 
 def with_precision(kernel):
@@ -132,37 +145,40 @@ def sequence_specs(num_chunks, key_dim, tile):
 
 
 @with_precision
-def _scan_kernel(w_ref, qp_ref, kd_ref, u_ref, ol_ref, d_ref, s_init_ref, o_ref, s_out_ref, *chunk_state_ref):
+def _scan_kernel(w_ref, qp_ref, kd_ref, u_ref, ol_ref, d_ref, s_init_ref, o_ref, s_out_ref, *chunk_state_ref, low):
     """One (batch, value head, value tile): S <- D S + kd^T (u - w S), o = ol + qp S, chunk by chunk."""
+    cast, operand = operand_cast(low), scan_load(low)
 
     def step(n, state):  # state: [K, Vt] fp32, the chunk's incoming state
         if chunk_state_ref:
             chunk_state_ref[0][n] = state
         load = lambda ref: ref[n].astype(_F32)  # noqa: E731
-        v_new = load(u_ref) - blk.mm(load(w_ref), state)
-        o_ref[n] = (load(ol_ref) + blk.mm(load(qp_ref), state)).astype(o_ref.dtype)
-        return d_ref[n][:, None] * state + blk.mm_tn(load(kd_ref), v_new)
+        v_new = load(u_ref) - blk.mm(operand(w_ref, n), cast(state, w_ref))
+        o_ref[n] = (load(ol_ref) + blk.mm(operand(qp_ref, n), cast(state, qp_ref))).astype(o_ref.dtype)
+        return d_ref[n][:, None] * state + blk.mm_tn(operand(kd_ref, n), cast(v_new, kd_ref))
 
     s_out_ref[...] = lax.fori_loop(0, d_ref.shape[0], step, s_init_ref[...])
 
 
 @with_precision
-def _states_kernel(w_ref, kd_ref, u_ref, d_ref, s_init_ref, s_out_ref, chunk_state_ref):
+def _states_kernel(w_ref, kd_ref, u_ref, d_ref, s_init_ref, s_out_ref, chunk_state_ref, *, low):
     """One (batch, value head, value tile): S <- D S + kd^T (u - w S), storing every chunk's incoming state."""
+    cast, operand = operand_cast(low), scan_load(low)
 
     def step(n, state):
         chunk_state_ref[n] = state
-        load = lambda ref: ref[n].astype(_F32)  # noqa: E731
-        v_new = load(u_ref) - blk.mm(load(w_ref), state)
-        return d_ref[n][:, None] * state + blk.mm_tn(load(kd_ref), v_new)
+        v_new = u_ref[n].astype(_F32) - blk.mm(operand(w_ref, n), cast(state, w_ref))
+        return d_ref[n][:, None] * state + blk.mm_tn(operand(kd_ref, n), cast(v_new, kd_ref))
 
     s_out_ref[...] = lax.fori_loop(0, d_ref.shape[0], step, s_init_ref[...])
 
 
 @with_precision
-def _output_kernel(qp_ref, ol_ref, state_ref, o_ref):
+def _output_kernel(qp_ref, ol_ref, state_ref, o_ref, *, low):
     """One (chunk, value head, value tile): o = ol + qp S."""
-    o_ref[...] = (ol_ref[...].astype(_F32) + blk.mm(qp_ref[...].astype(_F32), state_ref[...])).astype(o_ref.dtype)
+    qp = qp_ref[...] if low else qp_ref[...].astype(_F32)
+    state = state_ref[...].astype(qp.dtype)
+    o_ref[...] = (ol_ref[...].astype(_F32) + blk.mm(qp, state)).astype(o_ref.dtype)
 
 
 def _scan_then_output(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpret, precision, save_states):
@@ -172,7 +188,7 @@ def _scan_then_output(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, 
     tile = min(tuning.state_tile, value_dim)
     keys, values, vector, states, _, state = sequence_specs(chunks // batch, key_dim, tile)
     final, chunk_states = pl.pallas_call(
-        functools.partial(_states_kernel, precision=precision),
+        functools.partial(_states_kernel, precision=precision, low=tuning.scan_low_precision),
         grid=(batch, value_heads, value_dim // tile),
         in_specs=[keys(chunk)] * 2 + [values(chunk), vector, state],
         out_specs=[state, states],
@@ -183,7 +199,7 @@ def _scan_then_output(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, 
         name="kda_states_fwd",
     )(w, kd, u, d, initial_state)
     o = pl.pallas_call(
-        functools.partial(_output_kernel, precision=precision),
+        functools.partial(_output_kernel, precision=precision, low=tuning.scan_low_precision),
         grid=(chunks, value_heads),
         in_specs=[pl.BlockSpec((None, None, chunk, key_dim), lambda n, h: (n, h, 0, 0)),
                   pl.BlockSpec((None, None, chunk, value_dim), lambda n, h: (n, h, 0, 0)),
@@ -218,7 +234,7 @@ def state_scan(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpr
         out_shape.append(jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), _F32))
         out_specs.append(states)
     return pl.pallas_call(
-        functools.partial(_scan_kernel, precision=precision),
+        functools.partial(_scan_kernel, precision=precision, low=tuning.scan_low_precision),
         grid=(batch, value_heads, value_dim // tile),
         in_specs=[keys(chunk)] * 3 + [values(chunk)] * 2 + [vector, state],
         out_specs=out_specs,

@@ -121,3 +121,27 @@ def test_separate_output_kernel_matches_reference(monkeypatch, gate, g_min):
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     jaxpr = str(jax.make_jaxpr(lambda *a: chunk_kda(*a, g_min=g_min, chunk_size=16, backend="interpret"))(*args))
     assert "kda_states_fwd" in jaxpr and "kda_output_fwd" in jaxpr
+
+
+@pytest.mark.parametrize("separate_output", [False, True])
+def test_low_precision_scans_meet_the_bf16_bars(monkeypatch, separate_output):
+    # Tuning(scan_low_precision=True): the scans multiply with the state, v_new and dS rounded to bf16 (fp32
+    # accumulation, fp32 state); with bf16 inputs the results must stay within the issue's bf16 bars.
+    import functools
+
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    tuning = Tuning(scan_low_precision=True, separate_output=separate_output)
+    low = functools.partial(kda_pallas, interpret=True, tuning=tuning)
+    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(
+        jax.jit(low, static_argnames=api._KERNEL_STATIC)))
+    x = random_inputs(6, batch=1, seq_len=80, heads=1, value_heads=2, key_dim=16, value_dim=16, gate="bounded",
+                      g_min=-5.0, dtype=jnp.bfloat16)
+    tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
+    _compare(x, -5.0, 16, _segments(1, 80), tol=tol)
+    # The option really changes the products: the outputs differ from the fp32-operand scans'.
+    low_o = _run("interpret", x, -5.0, 16, None)["o"]
+    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(jax.jit(
+        functools.partial(kda_pallas, interpret=True, tuning=Tuning(separate_output=separate_output)),
+        static_argnames=api._KERNEL_STATIC)))
+    assert not np.array_equal(np.asarray(low_o, np.float32), np.asarray(_run("interpret", x, -5.0, 16, None)["o"],
+                                                                        np.float32))
