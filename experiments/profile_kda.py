@@ -105,12 +105,12 @@ def profile(shape, bounded, tuning, repeats):
         _INTRA_OUTPUTS.clear()
         _INTRA_OUTPUTS[intra_key] = timed("intra_fwd", intra, intra_args)
     w, qp, kd, u, ol, d, aqk, akk, t = _INTRA_OUTPUTS[intra_key]
-    _, _, states = timed("state_fwd", scan, (w, qp, kd, u, ol, d, s0))
+    _, _, states, v_new = timed("state_fwd", scan, (w, qp, kd, u, ol, d, s0))
     later = bool(wanted & {"state_side_bwd", "intra_bwd"})
     back = timed("state_bwd", sgrad, (w, qp, kd, d, cdo, jnp.zeros_like(s0)), needed=later)
     if later:
         ds_chunk, dv_new, _ = back
-        dqp, dw, dkd, dd = timed("state_side_bwd", side, (states, ds_chunk, w, u, cdo, dv_new))
+        dqp, dw, dkd, dd = timed("state_side_bwd", side, (states, ds_chunk, v_new, cdo, dv_new))
         timed("intra_bwd", igrad, (cq, ck, cv, cg, cb, doc, doc, (aqk, akk, t, w, u), cdo, dv_new, dqp, dw, dkd, dd),
               needed=False)
 

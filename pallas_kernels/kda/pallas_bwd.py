@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS
-from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_core, k_base
+from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
 from pallas_kernels.kda.pallas_fwd import (chunk_tile, chunk_vector, compiler_params, input_specs, operand_cast,
                                            ref_chunk, scan_load, sequence_specs, with_precision)
 
@@ -62,42 +62,37 @@ def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
 
 
 @with_precision
-def _state_side_kernel(s0_ref, ds_ref, w_ref, u_ref, do_ref, dv_new_ref, dqp_ref, dw_ref, dkd_ref, dd_ref, *, tile):
-    """Gradients of one chunk's qp, w, kd and D, which meet the state: all contract over the value width, taken
-    `tile` columns at a time so that only a [K, tile] slice of S0 and of dS is live."""
-    key_dim, value_dim = s0_ref.shape
-    dqp = dw = dkd = dd = 0.0
-    w = w_ref[...].astype(_F32)
-    for t in range(value_dim // tile):
-        cols = (slice(None), pl.ds(t * tile, tile))
-        s0, ds = s0_ref[cols], ds_ref[cols]  # [K, tile]
-        v_new = u_ref[cols].astype(_F32) - blk.mm(w, s0)
-        dqp = dqp + blk.mm_nt(do_ref[cols].astype(_F32), s0)
-        dw = dw - blk.mm_nt(dv_new_ref[cols], s0)
-        dkd = dkd + blk.mm_nt(v_new, ds)
-        dd = dd + jnp.sum(s0 * ds, axis=1)
-    dqp_ref[...], dw_ref[...], dkd_ref[...], dd_ref[...] = dqp, dw, dkd, dd
+def _state_side_kernel(s0_ref, ds_ref, v_new_ref, do_ref, dv_new_ref, dqp_ref, dw_ref, dkd_ref, dd_ref):
+    """Gradients of one chunk's qp, w, kd and D on a tile of key channels; all contract over the value width:
+    dqp = dO S0^T, dw = -dV_new S0^T, dkd = V_new dS^T, dD = rowsum(S0 * dS)."""
+    s0, ds = s0_ref[...], ds_ref[...]  # [Kt, V] fp32
+    dqp_ref[...] = blk.mm_nt(do_ref[...].astype(_F32), s0)
+    dw_ref[...] = -blk.mm_nt(dv_new_ref[...], s0)
+    dkd_ref[...] = blk.mm_nt(v_new_ref[...].astype(_F32), ds)
+    dd_ref[...] = jnp.sum(s0 * ds, axis=1)
 
 
-def state_side_grads(s0, ds, w, u, do, dv_new, *, tuning, interpret, precision):
-    """s0, ds: [BN, HV, K, V]; w: [BN, HV, C, K]; u, dv_new: [BN, HV, C, V]; do: [BN, C, HV, V].
-    Returns dqp, dw, dkd: [BN, HV, C, K] and dd: [BN, HV, K] (fp32)."""
+def state_side_grads(s0, ds, v_new, do, dv_new, *, tuning, interpret, precision):
+    """s0, ds: [BN, HV, K, V]; v_new, dv_new: [BN, HV, C, V]; do: [BN, C, HV, V]. Grid (chunks, value heads, key
+    tiles of `key_tile` channels). Returns dqp, dw, dkd: [BN, HV, C, K] and dd: [BN, HV, K] (fp32)."""
     chunks, value_heads, key_dim, value_dim = s0.shape
-    chunk = w.shape[2]
-    state = pl.BlockSpec((None, None, key_dim, value_dim), lambda n, h: (n, h, 0, 0))
-    do_spec = pl.BlockSpec((None, chunk, None, value_dim), lambda n, h: (n, 0, h, 0))
+    chunk = v_new.shape[2]
+    kt = min(tuning.key_tile, key_dim)
+    state = pl.BlockSpec((None, None, kt, value_dim), lambda n, h, j: (n, h, j, 0))
+    values = pl.BlockSpec((None, None, chunk, value_dim), lambda n, h, j: (n, h, 0, 0))
+    do_spec = pl.BlockSpec((None, chunk, None, value_dim), lambda n, h, j: (n, 0, h, 0))
+    key_tile = pl.BlockSpec((None, None, chunk, kt), lambda n, h, j: (n, h, 0, j))
     key_out = jax.ShapeDtypeStruct((chunks, value_heads, chunk, key_dim), _F32)
     return pl.pallas_call(
-        functools.partial(_state_side_kernel, precision=precision, tile=min(tuning.state_tile, value_dim)),
-        grid=(chunks, value_heads),
-        in_specs=[state, state, chunk_tile(chunk, key_dim), chunk_tile(chunk, value_dim), do_spec,
-                  chunk_tile(chunk, value_dim)],
-        out_specs=[chunk_tile(chunk, key_dim)] * 3 + [chunk_vector(key_dim)],
+        functools.partial(_state_side_kernel, precision=precision),
+        grid=(chunks, value_heads, key_dim // kt),
+        in_specs=[state, state, values, do_spec, values],
+        out_specs=[key_tile] * 3 + [pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))],
         out_shape=[key_out] * 3 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)],
-        compiler_params=compiler_params(tuning.intra_warps),
+        compiler_params=compiler_params(tuning.state_side_warps),
         interpret=interpret,
         name="kda_state_side_bwd",
-    )(s0, ds, w, u, do, dv_new)
+    )(s0, ds, v_new, do, dv_new)
 
 
 @with_precision
@@ -115,11 +110,49 @@ def _score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref
 def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_ref, dakk_ref, dkb_ref, dqp_ref,
                        dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense):
     x = ref_chunk(q_ref, k_ref, None, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
-    core = chunk_core(x, dense=dense)
+    gates = chunk_gates(x)  # the decay factors only: the scores come in as gradients, no inverse is needed
     at = lambda b: (pl.ds(b * ROWS, ROWS), pl.ds(b * ROWS, ROWS))  # noqa: E731
-    dq, dk, dg = backward_inputs(x, core, daqk_ref[...], dakk_ref[...], dkb_ref[...], dqp_ref[...], dkd_ref[...],
+    dq, dk, dg = backward_inputs(x, gates, daqk_ref[...], dakk_ref[...], dkb_ref[...], dqp_ref[...], dkd_ref[...],
                                  dd_ref[...][None, :], lambda b: (daqk_ref[at(b)], dakk_ref[at(b)]), dense=dense)
     dq_ref[...], dk_ref[...], dg_ref[...] = dq * scale, dk, dg
+
+
+@with_precision
+def _tiled_score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, akk_ref, t_ref, w_ref, u_ref,
+                             do_ref, du_ref, dqp_ref, dw_ref, daqk_ref, dakk_ref, dkb_ref, dv_ref, dbeta_ref, *, tile):
+    """backward_scores `tile` channels at a time: value tiles (dv, and their share of dAqk, dL, dbeta), then key
+    tiles (d(kb) and theirs). Only the [C, C] scores and gradients and [C, tile] tiles are live."""
+    size, key_dim = k_ref.shape
+    value_dim = v_ref.shape[1]
+    doc = doc_ref[...]
+    beta = beta_ref[...].astype(_F32)[:, None]
+    reads = (doc == blk.element(prev_ref[...], 0))[:, None]
+    aqk, t = aqk_ref[...], t_ref[...]
+    load = lambda ref, cols: ref[:, cols].astype(_F32)  # noqa: E731
+
+    def value_side(j, acc):
+        daqk, dl, dbeta = acc
+        cols = pl.ds(j * tile, tile)
+        u, do = load(u_ref, cols), load(do_ref, cols)
+        dvb = blk.mm_tn(t, load(du_ref, cols) + blk.mm_tn(aqk, do))
+        dv_ref[:, cols] = beta * dvb
+        return daqk + blk.mm_nt(do, u), dl - blk.mm_nt(dvb, u), dbeta + jnp.sum(dvb * load(v_ref, cols), axis=1)
+
+    def key_side(j, acc):
+        daqk, dl, dbeta = acc
+        cols = pl.ds(j * tile, tile)
+        w, dqp = load(w_ref, cols), load(dqp_ref, cols)
+        k_base = jnp.where(reads, load(k_ref, cols) * jnp.exp(jnp.cumsum(load(g_ref, cols), axis=0)), 0.0)
+        dkb = blk.mm_tn(t, load(dw_ref, cols) - blk.mm_tn(aqk, dqp))
+        dkb_ref[:, cols] = dkb
+        return daqk - blk.mm_nt(dqp, w), dl - blk.mm_nt(dkb, w), dbeta + jnp.sum(dkb * k_base, axis=1)
+
+    zeros = jnp.zeros((size, size), _F32)
+    acc = lax.fori_loop(0, value_dim // tile, value_side, (zeros, zeros, jnp.zeros((size,), _F32)))
+    daqk, dl, dbeta = lax.fori_loop(0, key_dim // tile, key_side, acc)
+    daqk, dl = mask_scores(doc, daqk, dl)
+    dbeta = dbeta + jnp.sum(dl * akk_ref[...], axis=1)
+    daqk_ref[...], dakk_ref[...], dbeta_ref[...] = daqk, beta * dl, dbeta
 
 
 def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd, dd, *, scale, dense, tuning,
@@ -138,8 +171,13 @@ def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd
     beta_spec = pl.BlockSpec((None, chunk, None), lambda n, h: (n, 0, h))
     specs = input_specs(chunk, key_dim, value_dim, value_heads // heads)
     kw = dict(scale=scale, dense=dense, precision=precision)
+    tile = tuning.intra_tile
+    if tile and key_dim % tile == 0 and value_dim % tile == 0:
+        score_kernel = functools.partial(_tiled_score_grad_kernel, precision=precision, tile=tile)
+    else:
+        score_kernel = functools.partial(_score_grad_kernel, precision=precision)
     daqk, dakk, dkb, dv, dbeta = pl.pallas_call(
-        functools.partial(_score_grad_kernel, precision=precision),
+        score_kernel,
         grid=(chunks, value_heads),
         in_specs=[specs[1]] + specs[2:] + [chunk_tile(chunk, chunk)] * 3 + [
             chunk_tile(chunk, key_dim), chunk_tile(chunk, value_dim), per_head(value_dim),

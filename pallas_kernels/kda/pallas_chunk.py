@@ -110,8 +110,9 @@ def masks(doc):
     return same & (r >= c), same & (r > c)
 
 
-def scores(x: ChunkIn, dec: Decay, *, dense):
-    """Masked decayed scores: Aqk [C, C] (c <= r) and Akk [C, C] (c < r)."""
+def partial_scores(x: ChunkIn, dec: Decay, *, dense):
+    """Decayed scores summed over the key channels of x only, unmasked: (Aqk, Akk) [C, C]. Summing the results of
+    key-channel tiles gives the whole products (every factor is elementwise in the key channel)."""
     size = x.q.shape[0]
     qt, kt = x.q * dec.row_factor, x.k * dec.row_factor
     aqk = akk = jnp.zeros((size, size), _F32)
@@ -125,8 +126,18 @@ def scores(x: ChunkIn, dec: Decay, *, dense):
             q_b, k_b = x.blocks(b)
             diag_qk, diag_kk = pairwise_columns((q_b, k_b), k_b, take_rows(dec.gam, b))
             aqk, akk = aqk + put_block(diag_qk, b, size), akk + put_block(diag_kk, b, size)
-    mask_qk, mask_kk = masks(x.doc)
+    return aqk, akk
+
+
+def mask_scores(doc, aqk, akk):
+    """Same-document causal masks applied: Aqk keeps c <= r, Akk c < r."""
+    mask_qk, mask_kk = masks(doc)
     return jnp.where(mask_qk, aqk, 0.0), jnp.where(mask_kk, akk, 0.0)
+
+
+def scores(x: ChunkIn, dec: Decay, *, dense):
+    """Masked decayed scores: Aqk [C, C] (c <= r) and Akk [C, C] (c < r)."""
+    return mask_scores(x.doc, *partial_scores(x, dec, dense=dense))
 
 
 def unit_lower_inverse(l):
@@ -158,23 +169,47 @@ class Core(NamedTuple):
     carried: jax.Array  # [1, K] e^g_last, the decay of S0 across the chunk (0 when a document starts inside)
 
 
-def chunk_core(x: ChunkIn, *, dense) -> Core:
+class Gates(NamedTuple):
+    """The decay factors of one chunk (or of a tile of its key channels): everything but the scores."""
+
+    dec: Decay
+    k_base: jax.Array  # [C, K] K e^gam on rows that read S0 (else 0)
+    kd_scale: jax.Array  # [C, K] e^(g_last - gam) on the last document's rows (else 0)
+    carried: jax.Array  # [1, K] e^g_last, the decay of S0 across the chunk (0 when a document starts inside)
+
+
+def chunk_gates(x: ChunkIn) -> Gates:
     dec = decay(x.g)
-    aqk, akk = scores(x, dec, dense=dense)
-    t = unit_lower_inverse(x.beta * akk)
     g_last = row(dec.gam, dec.gam.shape[0] - 1)[None, :]
     kd_scale = jnp.where(x.in_last, jnp.exp(g_last - dec.gam), 0.0)
     carried = jnp.where(x.doc_last == x.doc_in, jnp.exp(g_last), 0.0)
-    return Core(dec, aqk, akk, t, k_base(x, dec.gam), kd_scale, carried)
+    return Gates(dec, k_base(x, dec.gam), kd_scale, carried)
+
+
+def chunk_core(x: ChunkIn, *, dense) -> Core:
+    gates = chunk_gates(x)
+    aqk, akk = scores(x, gates.dec, dense=dense)
+    t = unit_lower_inverse(x.beta * akk)
+    return Core(gates.dec, aqk, akk, t, gates.k_base, gates.kd_scale, gates.carried)
+
+
+def key_outputs(x: ChunkIn, gates: Gates, aqk, t):
+    """The forward's outputs that are elementwise in the key channel, for x's channels: w, qp, kd [C, K], d [1, K]."""
+    w = mm(t, x.beta * gates.k_base)
+    qp = jnp.where(x.reads, x.q * jnp.exp(gates.dec.gam), 0.0) - mm(aqk, w)
+    return dict(w=w, qp=qp, kd=x.k * gates.kd_scale, d=gates.carried)
+
+
+def value_outputs(v, beta, aqk, t):
+    """u = T diag(beta) V and ol = Aqk u for a tile of value channels: [C, V]."""
+    u = mm(t, beta * v)
+    return dict(u=u, ol=mm(aqk, u))
 
 
 def chunk_forward(x: ChunkIn, core: Core):
     """w, u (v_new = u - w S0), qp (o = ol + qp S0), ol, kd (S_C = D S0 + kd^T v_new) and D = carried."""
-    w = mm(core.t, x.beta * core.k_base)
-    u = mm(core.t, x.beta * x.v)
-    qp = jnp.where(x.reads, x.q * jnp.exp(core.dec.gam), 0.0) - mm(core.aqk, w)
-    ol = mm(core.aqk, u)
-    return dict(w=w, u=u, qp=qp, ol=ol, kd=x.k * core.kd_scale, d=core.carried)
+    gates = Gates(core.dec, core.k_base, core.kd_scale, core.carried)
+    return key_outputs(x, gates, core.aqk, core.t) | value_outputs(x.v, x.beta, core.aqk, core.t)
 
 
 def backward_scores(x: ChunkIn, k_base, aqk, akk, t, w, u, do, du, dqp, dw):
@@ -197,7 +232,7 @@ def backward_scores(x: ChunkIn, k_base, aqk, akk, t, w, u, do, du, dqp, dw):
     return daqk, x.beta * dl, dkb, dv, dbeta[:, None]
 
 
-def backward_inputs(x: ChunkIn, core: Core, daqk, dakk, dkb, dqp, dkd, dd, diag_blocks, *, dense):
+def backward_inputs(x: ChunkIn, core: Gates, daqk, dakk, dkb, dqp, dkd, dd, diag_blocks, *, dense):
     """Second half: through the decayed scores and the decay factors to dq (w.r.t. the scaled q), dk and dg.
 
     diag_blocks(b) -> (dAqk_bb, dAkk_bb) [R, R] (pairwise path only). dd: [1, K].

@@ -16,7 +16,8 @@ from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS
-from pallas_kernels.kda.pallas_chunk import ChunkIn, chunk_core, chunk_forward
+from pallas_kernels.kda.pallas_chunk import (ChunkIn, chunk_core, chunk_forward, chunk_gates, key_outputs,
+                                            mask_scores, partial_scores, unit_lower_inverse, value_outputs)
 
 _F32 = jnp.float32
 
@@ -28,7 +29,12 @@ class Tuning:
 
     state_tile: int = 32
     key_tile: int = 32
+    # Key and value channels per step of the forward's per-chunk kernel, which loops over channel tiles (scores summed
+    # over key tiles, then w, qp, kd per key tile and u, ol per value tile) so that only [C, tile] input tiles and the
+    # [C, C] scores are live. 0: the whole-tile kernel (every [C, K] tile at once).
+    intra_tile: int = 32
     intra_warps: int = 8
+    state_side_warps: int = 4
     state_warps: int = 4
     state_stages: int = 2
     # Scan only the states and compute o = ol + qp S from the stored states in a kernel parallel over chunks: two
@@ -89,6 +95,54 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref
         ref[...] = value
 
 
+@with_precision
+def _tiled_intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref, qp_ref, kd_ref, u_ref, ol_ref,
+                        d_ref, *score_refs, scale, dense, tile):
+    """The per-chunk forward, `tile` key (then value) channels at a time: pass 1 sums the decayed scores over key
+    tiles, then T = (I + diag(beta) Akk)^-1, pass 2 writes w, qp, kd per key tile, pass 3 u, ol per value tile."""
+    size, key_dim = q_ref.shape
+    value_dim = v_ref.shape[1]
+    doc = doc_ref[...]
+    beta = beta_ref[...].astype(_F32)[:, None]
+    doc_in, doc_last = blk.element(prev_ref[...], 0), blk.element(doc, size - 1)
+
+    def key_tile(j):
+        cols = pl.ds(j * tile, tile)
+        load = lambda ref: ref[:, cols].astype(_F32)  # noqa: E731
+        block = lambda ref, b: ref[pl.ds(b * ROWS, ROWS), cols].astype(_F32)  # noqa: E731
+        return cols, ChunkIn(q=load(q_ref) * scale, k=load(k_ref), v=None, g=load(g_ref), beta=beta, doc=doc,
+                             doc_in=doc_in, doc_last=doc_last,
+                             blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b)))
+
+    def add_scores(j, acc):
+        _, x = key_tile(j)
+        aqk, akk = partial_scores(x, chunk_gates(x).dec, dense=dense)
+        return acc[0] + aqk, acc[1] + akk
+
+    zeros = jnp.zeros((size, size), _F32)
+    aqk, akk = mask_scores(doc, *lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros)))
+    t = unit_lower_inverse(beta * akk)
+
+    def write_keys(j, carry):
+        cols, x = key_tile(j)
+        out = key_outputs(x, chunk_gates(x), aqk, t)
+        for name, ref in dict(w=w_ref, qp=qp_ref, kd=kd_ref).items():
+            ref[:, cols] = out[name].astype(ref.dtype)
+        d_ref[cols] = out["d"][0]
+        return carry
+
+    def write_values(j, carry):
+        cols = pl.ds(j * tile, tile)
+        out = value_outputs(v_ref[:, cols].astype(_F32), beta, aqk, t)
+        u_ref[:, cols], ol_ref[:, cols] = out["u"].astype(u_ref.dtype), out["ol"].astype(ol_ref.dtype)
+        return carry
+
+    lax.fori_loop(0, key_dim // tile, write_keys, 0)
+    lax.fori_loop(0, value_dim // tile, write_values, 0)
+    for ref, value in zip(score_refs, (aqk, akk, t)):  # the backward's residuals
+        ref[...] = value
+
+
 def input_specs(chunk, key_dim, value_dim, group):
     """BlockSpecs of chunked (q, k, v, g, beta, doc, doc_prev) for a grid (B * N, HV)."""
     qk = pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h // group, 0))
@@ -118,8 +172,13 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
     value_heads, value_dim = v.shape[2:]
     shape = lambda d, dtype=store_dtype: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), dtype)  # noqa: E731
     saved = 3 if save_scores else 0
+    tile = tuning.intra_tile
+    if tile and key_dim % tile == 0 and value_dim % tile == 0:
+        kernel = functools.partial(_tiled_intra_kernel, scale=scale, dense=dense, precision=precision, tile=tile)
+    else:
+        kernel = functools.partial(_intra_kernel, scale=scale, dense=dense, precision=precision)
     return pl.pallas_call(
-        functools.partial(_intra_kernel, scale=scale, dense=dense, precision=precision),
+        kernel,
         grid=(chunks, value_heads),
         in_specs=input_specs(chunk, key_dim, value_dim, value_heads // heads),
         out_specs=[chunk_tile(chunk, key_dim)] * 3 + [chunk_tile(chunk, value_dim)] * 2 + [chunk_vector(key_dim)] + [
@@ -145,29 +204,31 @@ def sequence_specs(num_chunks, key_dim, tile):
 
 
 @with_precision
-def _scan_kernel(w_ref, qp_ref, kd_ref, u_ref, ol_ref, d_ref, s_init_ref, o_ref, s_out_ref, *chunk_state_ref, low):
-    """One (batch, value head, value tile): S <- D S + kd^T (u - w S), o = ol + qp S, chunk by chunk."""
+def _scan_kernel(w_ref, qp_ref, kd_ref, u_ref, ol_ref, d_ref, s_init_ref, o_ref, s_out_ref, *saved_refs, low):
+    """One (batch, value head, value tile): S <- D S + kd^T (u - w S), o = ol + qp S, chunk by chunk. saved_refs:
+    (every chunk's incoming state, v_new) for the backward, or none."""
     cast, operand = operand_cast(low), scan_load(low)
 
     def step(n, state):  # state: [K, Vt] fp32, the chunk's incoming state
-        if chunk_state_ref:
-            chunk_state_ref[0][n] = state
-        load = lambda ref: ref[n].astype(_F32)  # noqa: E731
-        v_new = load(u_ref) - blk.mm(operand(w_ref, n), cast(state, w_ref))
-        o_ref[n] = (load(ol_ref) + blk.mm(operand(qp_ref, n), cast(state, qp_ref))).astype(o_ref.dtype)
+        v_new = u_ref[n].astype(_F32) - blk.mm(operand(w_ref, n), cast(state, w_ref))
+        if saved_refs:
+            saved_refs[0][n], saved_refs[1][n] = state, v_new.astype(saved_refs[1].dtype)
+        o_ref[n] = (ol_ref[n].astype(_F32) + blk.mm(operand(qp_ref, n), cast(state, qp_ref))).astype(o_ref.dtype)
         return d_ref[n][:, None] * state + blk.mm_tn(operand(kd_ref, n), cast(v_new, kd_ref))
 
     s_out_ref[...] = lax.fori_loop(0, d_ref.shape[0], step, s_init_ref[...])
 
 
 @with_precision
-def _states_kernel(w_ref, kd_ref, u_ref, d_ref, s_init_ref, s_out_ref, chunk_state_ref, *, low):
-    """One (batch, value head, value tile): S <- D S + kd^T (u - w S), storing every chunk's incoming state."""
+def _states_kernel(w_ref, kd_ref, u_ref, d_ref, s_init_ref, s_out_ref, chunk_state_ref, v_new_ref, *, low):
+    """One (batch, value head, value tile): S <- D S + kd^T (u - w S), storing every chunk's incoming state and
+    v_new."""
     cast, operand = operand_cast(low), scan_load(low)
 
     def step(n, state):
         chunk_state_ref[n] = state
         v_new = u_ref[n].astype(_F32) - blk.mm(operand(w_ref, n), cast(state, w_ref))
+        v_new_ref[n] = v_new.astype(v_new_ref.dtype)
         return d_ref[n][:, None] * state + blk.mm_tn(operand(kd_ref, n), cast(v_new, kd_ref))
 
     s_out_ref[...] = lax.fori_loop(0, d_ref.shape[0], step, s_init_ref[...])
@@ -187,13 +248,14 @@ def _scan_then_output(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, 
     batch = initial_state.shape[0]
     tile = min(tuning.state_tile, value_dim)
     keys, values, vector, states, _, state = sequence_specs(chunks // batch, key_dim, tile)
-    final, chunk_states = pl.pallas_call(
+    final, chunk_states, v_new = pl.pallas_call(
         functools.partial(_states_kernel, precision=precision, low=tuning.scan_low_precision),
         grid=(batch, value_heads, value_dim // tile),
         in_specs=[keys(chunk)] * 2 + [values(chunk), vector, state],
-        out_specs=[state, states],
+        out_specs=[state, states, values(chunk)],
         out_shape=[jax.ShapeDtypeStruct(initial_state.shape, _F32),
-                   jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), _F32)],
+                   jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), _F32),
+                   jax.ShapeDtypeStruct(u.shape, u.dtype)],
         compiler_params=compiler_params(tuning.state_warps, tuning.state_stages),
         interpret=interpret,
         name="kda_states_fwd",
@@ -210,14 +272,14 @@ def _scan_then_output(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, 
         interpret=interpret,
         name="kda_output_fwd",
     )(qp, ol, chunk_states)
-    return (o, final, chunk_states) if save_states else (o, final)
+    return (o, final, chunk_states, v_new) if save_states else (o, final)
 
 
 def state_scan(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpret, precision, save_states):
     """Inter-chunk recurrence. Arrays as intra_forward returns them; initial_state: [B, HV, K, V] fp32.
 
-    Returns o [BN, C, HV, V] in out_dtype, the final state [B, HV, K, V] and, if save_states, every chunk's incoming
-    state [BN, HV, K, V] fp32 (the backward's residual).
+    Returns o [BN, C, HV, V] in out_dtype, the final state [B, HV, K, V] and, if save_states, the backward's
+    residuals: every chunk's incoming state [BN, HV, K, V] fp32 and v_new = u - w S [BN, HV, C, V] in u's dtype.
     """
     if tuning.separate_output:
         return _scan_then_output(w, qp, kd, u, ol, d, initial_state, out_dtype=out_dtype, tuning=tuning,
@@ -231,8 +293,9 @@ def state_scan(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpr
                  jax.ShapeDtypeStruct(initial_state.shape, _F32)]
     out_specs = [time_major(chunk), state]
     if save_states:
-        out_shape.append(jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), _F32))
-        out_specs.append(states)
+        out_shape += [jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), _F32),
+                      jax.ShapeDtypeStruct(u.shape, u.dtype)]
+        out_specs += [states, values(chunk)]
     return pl.pallas_call(
         functools.partial(_scan_kernel, precision=precision, low=tuning.scan_low_precision),
         grid=(batch, value_heads, value_dim // tile),

@@ -79,16 +79,16 @@ def _kda(cfg, q, k, v, g, beta, state, doc, doc_prev):
 
 
 def _kda_fwd(cfg, q, k, v, g, beta, state, doc, doc_prev):
-    (o, final, states), inter = _forward(cfg, q, k, v, g, beta, state, doc, doc_prev, save_states=True)
-    return (o, final), (q, k, v, g, beta, doc, doc_prev, states, inter)
+    (o, final, states, v_new), inter = _forward(cfg, q, k, v, g, beta, state, doc, doc_prev, save_states=True)
+    return (o, final), (q, k, v, g, beta, doc, doc_prev, states, v_new, inter)
 
 
 def _kda_bwd(cfg, residuals, cotangents):
-    q, k, v, g, beta, doc, doc_prev, states, (w, qp, kd, u, d, aqk, akk, t) = residuals
+    q, k, v, g, beta, doc, doc_prev, states, v_new, (w, qp, kd, u, d, aqk, akk, t) = residuals
     do, ds_final = cotangents
     kw = dict(tuning=cfg.tuning, interpret=cfg.interpret, precision=cfg.precision)
     ds_chunk, dv_new, ds_init = state_grad(w, qp, kd, d, do, ds_final.astype(jnp.float32), **kw)
-    dqp, dw, dkd, dd = state_side_grads(states, ds_chunk, w, u, do, dv_new, **kw)
+    dqp, dw, dkd, dd = state_side_grads(states, ds_chunk, v_new, do, dv_new, **kw)
     dq, dk, dv, dg, dbeta = intra_grads(q, k, v, g, beta, doc, doc_prev, (aqk, akk, t, w, u), do, dv_new, dqp, dw,
                                         dkd, dd, scale=cfg.scale, dense=cfg.dense, **kw)
     chunks, chunk, heads, key_dim = q.shape
