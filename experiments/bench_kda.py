@@ -29,8 +29,8 @@ flags.DEFINE_integer("repeats", 30, "Timed repeats per measurement (median repor
 flags.DEFINE_integer("xla_repeats", 3, "Timed repeats for the (slow) xla variants.")
 flags.DEFINE_bool("verify", True, "Check each JAX variant against the reference before timing it.")
 flags.DEFINE_integer("verify_len", 1024, "Sequence length of the check against the token-by-token reference.")
-flags.DEFINE_integer("state_tile", 32, "Value columns per program of the Pallas state scans.")
-flags.DEFINE_integer("intra_warps", 4, "Warps of the Pallas per-chunk kernels.")
+flags.DEFINE_string("tuning", "base", "Launch tuning of the Pallas variants: 'base' (the defaults of "
+                    "pallas_fwd.Tuning) or 'field=value,...' changes to them.")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_h200.json / .md are written.")
 flags.DEFINE_string("fla_worker", "", "Internal: run the fla timings for this job file and exit.")
 flags.DEFINE_integer("fla_timeout", 400, "Seconds the fla child may take; the JAX rows are written before it starts.")
@@ -260,7 +260,8 @@ def write_tables(rows, versions, out_dir):
              "K = V = D, HV = H, chunk 64. Medians; max_err_ratio = max over o, state, dq, dk, dv, dg, dbeta of "
              "(relative RMS error vs the fp32 token-by-token reference) / bar, at T = "
              f"{FLAGS.verify_len}. Floor: forward bytes B*T*H*(3*2*D + 4*D + 2*D) at 4.3 TB/s; the backward moves 2.2x "
-             "that, so the fwd+bwd floor is 3.2x the forward's.",
+             "that, so the fwd+bwd floor is 3.2x the forward's. Pallas launch tuning: "
+             f"{versions.get('tuning', '-')}.",
              "", "| variant | B | T | H | D | fwd ms | x floor | fwd+bwd ms | x floor | max err/bar |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -276,7 +277,9 @@ def write_tables(rows, versions, out_dir):
 def _versions():
     import jax
     import jaxlib
-    return dict(gpu=jax.devices()[0].device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__)
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    return dict(gpu=jax.devices()[0].device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__,
+                tuning=repr(Tuning.from_string(FLAGS.tuning)))
 
 
 def main(argv):
@@ -285,7 +288,7 @@ def main(argv):
         return fla_worker(FLAGS.fla_worker)
     import jax
     from pallas_kernels.kda.pallas_fwd import Tuning
-    tuning = Tuning(state_tile=FLAGS.state_tile, intra_warps=FLAGS.intra_warps)
+    tuning = Tuning.from_string(FLAGS.tuning)
     shapes = [tuple(int(s) for s in shape.split("x")) for shape in FLAGS.shapes]
     rows, fla_jobs = [], []
     for shape in shapes:

@@ -21,7 +21,8 @@ from absl import app, flags
 from experiments.bench_kda import G_MIN, numpy_inputs  # also defines --repeats (timed calls, median reported)
 
 FLAGS = flags.FLAGS
-STAGES = ("intra_fwd", "state_fwd", "state_bwd", "state_side_bwd", "intra_bwd", "fwd_total", "fwdbwd_total")
+STAGES = ("intra_fwd", "state_fwd", "state_bwd", "state_side_bwd", "score_bwd", "input_bwd", "fwd_total",
+          "fwdbwd_total")
 flags.DEFINE_string("shape", "1x32768x16x128", "BxTxHxD (K = V = D, HV = H).")
 flags.DEFINE_list("gates", ["bounded", "unbounded"], "bounded (g_min = -5) and/or unbounded.")
 flags.DEFINE_string("tunings", "base", "';'-separated tunings, each 'base' or 'field=value,field=value'.")
@@ -31,21 +32,9 @@ flags.DEFINE_bool("interpret", False, "Interpret the kernels (a CPU smoke run of
 
 
 def parse_tuning(text):
-    """'base' or 'state_tile=16,scan_low_precision=1' -> pallas_fwd.Tuning."""
+    """'base' or 'state_tile=16,scan_low_precision=1' -> pallas_fwd.Tuning (see Tuning.from_string)."""
     from pallas_kernels.kda.pallas_fwd import Tuning
-    tuning = Tuning()
-    if text.strip() in ("", "base"):
-        return tuning
-    fields = {f.name: f.type for f in dataclasses.fields(Tuning)}
-    changes = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        name = name.strip()
-        if name not in fields:
-            raise ValueError(f"--tunings: unknown Tuning field {name!r}; allowed: {sorted(fields)}")
-        default = getattr(tuning, name)
-        changes[name] = bool(int(value)) if isinstance(default, bool) else type(default)(value)
-    return dataclasses.replace(tuning, **changes)
+    return Tuning.from_string(text)
 
 
 def median_ms(fn, args, repeats):
@@ -64,7 +53,7 @@ def profile(shape, bounded, tuning, repeats):
     import jax
     import jax.numpy as jnp
     from pallas_kernels.kda import api
-    from pallas_kernels.kda.pallas_bwd import intra_grads, state_grad, state_side_grads
+    from pallas_kernels.kda.pallas_bwd import input_grads, score_grads, state_grad, state_side_grads
     from pallas_kernels.kda.pallas_fwd import intra_forward, state_scan
     from pallas_kernels.kda.pallas_op import kda_pallas, pallas_dense
 
@@ -88,7 +77,8 @@ def profile(shape, bounded, tuning, repeats):
     scan = jax.jit(lambda *a: state_scan(*a, out_dtype=bf, save_states=True, **kw))
     sgrad = jax.jit(lambda *a: state_grad(*a, **kw))
     side = jax.jit(lambda *a: state_side_grads(*a, **kw))
-    igrad = jax.jit(lambda *a: intra_grads(*a, scale=scale, dense=dense, **kw))
+    sgrads = jax.jit(lambda *a: score_grads(*a, **kw))
+    igrads = jax.jit(lambda *a: input_grads(*a, scale=scale, dense=dense, **kw))
 
     times = {}
     wanted = set(FLAGS.stages)
@@ -99,20 +89,22 @@ def profile(shape, bounded, tuning, repeats):
             times[name] = median_ms(fn, args, repeats)
         return fn(*args) if needed else None
 
-    intra_key = (bounded, shape, tuning.intra_warps)  # the per-chunk kernel does not depend on the scans' tuning
+    # the per-chunk forward does not depend on the scans' tuning
+    intra_key = (bounded, shape, tuning.intra_warps, tuning.intra_tile, tuning.split_intra, tuning.output_warps)
     intra_args = (cq, ck, cv, cg, cb, doc, doc)
     if intra_key not in _INTRA_OUTPUTS or "intra_fwd" in wanted:
         _INTRA_OUTPUTS.clear()
         _INTRA_OUTPUTS[intra_key] = timed("intra_fwd", intra, intra_args)
     w, qp, kd, u, ol, d, aqk, akk, t = _INTRA_OUTPUTS[intra_key]
     _, _, states, v_new = timed("state_fwd", scan, (w, qp, kd, u, ol, d, s0))
-    later = bool(wanted & {"state_side_bwd", "intra_bwd"})
+    later = bool(wanted & {"state_side_bwd", "score_bwd", "input_bwd"})
     back = timed("state_bwd", sgrad, (w, qp, kd, d, cdo, jnp.zeros_like(s0)), needed=later)
     if later:
         ds_chunk, dv_new, _ = back
         dqp, dw, dkd, dd = timed("state_side_bwd", side, (states, ds_chunk, v_new, cdo, dv_new))
-        timed("intra_bwd", igrad, (cq, ck, cv, cg, cb, doc, doc, (aqk, akk, t, w, u), cdo, dv_new, dqp, dw, dkd, dd),
-              needed=False)
+        daqk, dakk, dkb, _, _ = timed("score_bwd", sgrads, (ck, cv, cg, cb, doc, doc, (aqk, akk, t, w, u), cdo, dv_new,
+                                                           dqp, dw))
+        timed("input_bwd", igrads, (cq, ck, cg, cb, doc, doc, daqk, dakk, dkb, dqp, dkd, dd), needed=False)
 
     def forward(q, k, v, g, beta):
         run = api._whole_chunks(lambda *a, **kw: kda_pallas(*a, **kw, tuning=tuning, interpret=FLAGS.interpret))

@@ -45,7 +45,7 @@ def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
     """
     chunks, value_heads, chunk, key_dim = w.shape
     batch, _, _, value_dim = ds_final.shape
-    tile = min(tuning.state_tile, value_dim)
+    tile = min(tuning.state_grad_tile or tuning.state_tile, value_dim)
     keys, values, vector, states, time_major, state = sequence_specs(chunks // batch, key_dim, tile)
     return pl.pallas_call(
         functools.partial(_state_grad_kernel, precision=precision, low=tuning.scan_low_precision),
@@ -163,14 +163,23 @@ def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd
     saved: the forward's (Aqk, Akk, T, w, u). Two kernels: the first goes back through the solve to the score
     gradients (stored [BN, HV, C, C]), the second through the decayed scores to q, k and g.
     """
-    chunks, chunk, heads, key_dim = q.shape
+    kw = dict(tuning=tuning, interpret=interpret, precision=precision)
+    daqk, dakk, dkb, dv, dbeta = score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, **kw)
+    dq, dk, dg = input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, scale=scale, dense=dense,
+                             **kw)
+    return dq, dk, dv, dg, dbeta
+
+
+def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tuning, interpret, precision):
+    """Back through ol = Aqk u, qp = qd - Aqk w and the solve: dAqk, dAkk [BN, HV, C, C], d(kb) [BN, HV, C, K],
+    dv [BN, C, HV, V] and the direct part of dbeta [BN, C, HV]."""
+    chunks, chunk, heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2:]
     per_head = lambda d: pl.BlockSpec((None, chunk, None, d), lambda n, h: (n, 0, h, 0))  # noqa: E731
     shape = lambda d: jax.ShapeDtypeStruct((chunks, chunk, value_heads, d), _F32)  # noqa: E731
     tile_shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), _F32)  # noqa: E731
     beta_spec = pl.BlockSpec((None, chunk, None), lambda n, h: (n, 0, h))
     specs = input_specs(chunk, key_dim, value_dim, value_heads // heads)
-    kw = dict(scale=scale, dense=dense, precision=precision)
     tile = tuning.intra_tile
     if tile and key_dim % tile == 0 and value_dim % tile == 0:
         score_kernel = functools.partial(_tiled_score_grad_kernel, precision=precision, tile=tile)
@@ -185,10 +194,19 @@ def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd
         out_specs=[chunk_tile(chunk, chunk)] * 2 + [chunk_tile(chunk, key_dim), per_head(value_dim), beta_spec],
         out_shape=[tile_shape(chunk)] * 2 + [tile_shape(key_dim), shape(value_dim),
                                              jax.ShapeDtypeStruct((chunks, chunk, value_heads), _F32)],
-        compiler_params=compiler_params(tuning.intra_warps),
+        compiler_params=compiler_params(tuning.score_bwd_warps),
         interpret=interpret,
         name="kda_score_bwd",
     )(k, v, g, beta, doc, doc_prev, *saved, do, dv_new, dqp, dw)
+    return daqk, dakk, dkb, dv, dbeta
+
+
+def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, scale, dense, tuning, interpret,
+                precision):
+    """Through the decayed scores and decay factors to dq, dk, dg [BN, C, HV, K] (fp32)."""
+    chunks, chunk, heads, key_dim = q.shape
+    value_heads = dkb.shape[1]
+    shape = lambda d: jax.ShapeDtypeStruct((chunks, chunk, value_heads, d), _F32)  # noqa: E731
     # Everything after the score gradients is elementwise in the key channel: split K over programs (half the live
     # tiles each).
     kt = min(tuning.key_tile, key_dim)
@@ -201,13 +219,13 @@ def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd
     doc_spec = pl.BlockSpec((None, chunk), lambda n, h, j: (n, 0))
     dd_spec = pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))
     dq, dk, dg = pl.pallas_call(
-        functools.partial(_input_grad_kernel, **kw),
+        functools.partial(_input_grad_kernel, scale=scale, dense=dense, precision=precision),
         grid=(chunks, value_heads, key_dim // kt),
         in_specs=[qk, qk, head_k, rows, doc_spec, doc_spec, scores, scores, tile_k, tile_k, tile_k, dd_spec],
         out_specs=[head_k] * 3,
         out_shape=[shape(key_dim)] * 3,
-        compiler_params=compiler_params(tuning.intra_warps),
+        compiler_params=compiler_params(tuning.input_bwd_warps),
         interpret=interpret,
         name="kda_input_bwd",
     )(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd)
-    return dq, dk, dv, dg, dbeta
+    return dq, dk, dg

@@ -33,7 +33,9 @@ class ChunkIn(NamedTuple):
     doc: jax.Array  # [C] int32 document index
     doc_in: jax.Array  # scalar: document of the incoming state
     doc_last: jax.Array  # scalar: document of the chunk's last token
-    blocks: Callable  # b -> (q_b, k_b) [R, K]: 16-row blocks for the pairwise diagonal
+    # b -> (q_b, k_b, g_b) [R, K]: 16-row blocks for the pairwise diagonal. Only decay differences inside a block
+    # enter it, so the block's own cumulative sum of g_b stands in for the chunk's.
+    blocks: Callable
 
     @property
     def reads(self):
@@ -58,11 +60,6 @@ def _exact(a, b, dims):
 def _one_hot(size, b):
     """[C, R]: E[r, j] = 1 where r = R b + j."""
     return (_iota((size, ROWS), 0) == _iota((size, ROWS), 1) + ROWS * b).astype(_F32)
-
-
-def take_rows(x, b):
-    """Rows of block b: [C, D] -> [R, D]."""
-    return _exact(_one_hot(x.shape[0], b), x, ((0,), (0,)))
 
 
 def put_rows(x_b, b, size):
@@ -110,9 +107,10 @@ def masks(doc):
     return same & (r >= c), same & (r > c)
 
 
-def partial_scores(x: ChunkIn, dec: Decay, *, dense):
+def partial_scores(x: ChunkIn, dec: Decay, *, dense, with_diagonal=True):
     """Decayed scores summed over the key channels of x only, unmasked: (Aqk, Akk) [C, C]. Summing the results of
-    key-channel tiles gives the whole products (every factor is elementwise in the key channel)."""
+    key-channel tiles gives the whole products (every factor is elementwise in the key channel). Pairwise path with
+    with_diagonal=False: the diagonal blocks are left out (see pairwise_diagonal)."""
     size = x.q.shape[0]
     qt, kt = x.q * dec.row_factor, x.k * dec.row_factor
     aqk = akk = jnp.zeros((size, size), _F32)
@@ -121,11 +119,30 @@ def partial_scores(x: ChunkIn, dec: Decay, *, dense):
         on_block = dec.row_block == i
         aqk = aqk + jnp.where(on_block, mm_nt(qt, kc), 0.0)
         akk = akk + jnp.where(on_block, mm_nt(kt, kc), 0.0)
-    if not dense:
+    if not dense and with_diagonal:
         for b in range(size // ROWS):
-            q_b, k_b = x.blocks(b)
-            diag_qk, diag_kk = pairwise_columns((q_b, k_b), k_b, take_rows(dec.gam, b))
+            q_b, k_b, g_b = x.blocks(b)
+            diag_qk, diag_kk = pairwise_columns((q_b, k_b), k_b, jnp.cumsum(g_b, axis=0))
             aqk, akk = aqk + put_block(diag_qk, b, size), akk + put_block(diag_kk, b, size)
+    return aqk, akk
+
+
+def pairwise_diagonal(blocks, num_blocks):
+    """The exact diagonal blocks [(Aqk_bb, Akk_bb)] ([R, R] each) of x's key channels, from blocks(b) -> (q_b, k_b,
+    g_b) [R, K]. Only decay differences inside a block enter, so the block's own cumulative sum of g stands in for
+    the chunk's (no rows have to be moved out of a [C, K] tile)."""
+    out = []
+    for b in range(num_blocks):
+        q_b, k_b, g_b = blocks(b)
+        out.append(pairwise_columns((q_b, k_b), k_b, jnp.cumsum(g_b, axis=0)))
+    return out
+
+
+def place_diagonal(diagonal, size):
+    """[(Aqk_bb, Akk_bb)] -> their [C, C] placements (exact), zero off the diagonal blocks."""
+    aqk = akk = jnp.zeros((size, size), _F32)
+    for b, (diag_qk, diag_kk) in enumerate(diagonal):
+        aqk, akk = aqk + put_block(diag_qk, b, size), akk + put_block(diag_kk, b, size)
     return aqk, akk
 
 
@@ -257,10 +274,10 @@ def backward_inputs(x: ChunkIn, core: Gates, daqk, dakk, dkb, dqp, dkd, dd, diag
     dxq, dxk = dqt * dec.row_factor, dkt * dec.row_factor
     if not dense:
         for b in range(size // ROWS):
-            q_b, k_b = x.blocks(b)
+            q_b, k_b, g_b = x.blocks(b)
             daqk_bb, dakk_bb = diag_blocks(b)
             daqk_bb = jnp.where(_iota((ROWS, ROWS), 0) == _iota((ROWS, ROWS), 1), 0.0, daqk_bb)
-            (dq_b, dk_b), dy_b = pairwise_grads((daqk_bb, dakk_bb), (q_b, k_b), k_b, take_rows(dec.gam, b))
+            (dq_b, dk_b), dy_b = pairwise_grads((daqk_bb, dakk_bb), (q_b, k_b), k_b, jnp.cumsum(g_b, axis=0))
             dxq, dxk = dxq + put_rows(dq_b, b, size), dxk + put_rows(dk_b, b, size)
             dyk = dyk + put_rows(dy_b, b, size)
     decay_in = jnp.where(x.reads, jnp.exp(dec.gam), 0.0)

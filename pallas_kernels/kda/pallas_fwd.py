@@ -1,8 +1,9 @@
 """Forward KDA kernels: the per-chunk part (parallel over chunks) and the inter-chunk state scan (sequential).
 
 Layouts: every array is split into chunks, [B * N, C, ...] (inputs: a free reshape of [B, T, ...]); intermediates
-are per chunk and value head, [B * N, HV, C, D] (bf16 for bf16 inputs), so the scan reads each chunk as one contiguous tile. The
-per-chunk kernels then never see T: their compiled code is the same for every sequence length and batch size.
+are per chunk and value head, [B * N, HV, C, D] (bf16 for bf16 inputs), so the scan reads each chunk as one
+contiguous tile. The per-chunk kernels then never see T: their compiled code is the same for every sequence length
+and batch size.
 """
 
 import dataclasses
@@ -17,7 +18,8 @@ from jax.experimental.pallas import triton as pl_triton
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS
 from pallas_kernels.kda.pallas_chunk import (ChunkIn, chunk_core, chunk_forward, chunk_gates, key_outputs,
-                                            mask_scores, partial_scores, unit_lower_inverse, value_outputs)
+                                            mask_scores, pairwise_diagonal, partial_scores, place_diagonal,
+                                            unit_lower_inverse, value_outputs)
 
 _F32 = jnp.float32
 
@@ -33,8 +35,15 @@ class Tuning:
     # over key tiles, then w, qp, kd per key tile and u, ol per value tile) so that only [C, tile] input tiles and the
     # [C, C] scores are live. 0: the whole-tile kernel (every [C, K] tile at once).
     intra_tile: int = 32
+    # Forward per-chunk work as three kernels: scores and solve per chunk (stored), then w, qp, kd per (chunk, key
+    # tile) and u, ol per (chunk, value tile) in small kernels of `output_warps` warps.
+    split_intra: bool = False
+    output_warps: int = 4
     intra_warps: int = 8
+    score_bwd_warps: int = 8
+    input_bwd_warps: int = 8
     state_side_warps: int = 4
+    state_grad_tile: int = 0  # value columns per program of the backward scan; 0: state_tile
     state_warps: int = 4
     state_stages: int = 2
     # Scan only the states and compute o = ol + qp S from the stored states in a kernel parallel over chunks: two
@@ -43,6 +52,23 @@ class Tuning:
     # Multiply in the scans with the state (and v_new, dS) rounded to the stored intermediates' dtype (bf16 for bf16
     # inputs), accumulating in fp32; the state itself stays fp32. False: TF32 products of fp32 operands.
     scan_low_precision: bool = False
+
+
+    @classmethod
+    def from_string(cls, text):
+        """'base' (or '') -> the defaults; 'field=value,field=value' -> those fields changed (bools as 0/1)."""
+        tuning = cls()
+        if text.strip() in ("", "base"):
+            return tuning
+        fields = {f.name for f in dataclasses.fields(cls)}
+        changes = {}
+        for item in text.split(","):
+            name, _, value = (part.strip() for part in item.partition("="))
+            if name not in fields:
+                raise ValueError(f"Tuning: unknown field {name!r} in {text!r}; allowed: {sorted(fields)}")
+            default = getattr(tuning, name)
+            changes[name] = bool(int(value)) if isinstance(default, bool) else type(default)(value)
+        return dataclasses.replace(tuning, **changes)
 
 
 def compiler_params(warps, stages=None):
@@ -58,7 +84,8 @@ def ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale)
     return ChunkIn(
         q=load(q_ref) * scale, k=load(k_ref), v=None if v_ref is None else load(v_ref), g=load(g_ref),
         beta=load(beta_ref)[:, None], doc=doc, doc_in=blk.element(prev_ref[...], 0),
-        doc_last=blk.element(doc, size - 1), blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b)))
+        doc_last=blk.element(doc, size - 1),
+        blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b), block(g_ref, b)))
 
 
 def operand_cast(low):
@@ -95,52 +122,146 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref
         ref[...] = value
 
 
+def _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, cols, *, scale):
+    """A ChunkIn of the key channels `cols` of a chunk's input tiles (no v)."""
+    size = q_ref.shape[0]
+    doc = doc_ref[...]
+    load = lambda ref: ref[:, cols].astype(_F32)  # noqa: E731
+    block = lambda ref, b: ref[pl.ds(b * ROWS, ROWS), cols].astype(_F32)  # noqa: E731
+    return ChunkIn(q=load(q_ref) * scale, k=load(k_ref), v=None, g=load(g_ref),
+                   beta=beta_ref[...].astype(_F32)[:, None], doc=doc, doc_in=blk.element(prev_ref[...], 0),
+                   doc_last=blk.element(doc, size - 1),
+                   blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b), block(g_ref, b)))
+
+
+def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile):
+    """Aqk, Akk (masked) and T = (I + diag(beta) Akk)^-1 [C, C] of a chunk, summing the scores over key tiles."""
+    size, key_dim = q_ref.shape
+    num_blocks = size // ROWS
+
+    def add_scores(j, acc):
+        x = _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, pl.ds(j * tile, tile), scale=scale)
+        aqk, akk = partial_scores(x, chunk_gates(x).dec, dense=dense, with_diagonal=False)
+        if dense:
+            return acc[0] + aqk, acc[1] + akk
+        # Pairwise: the diagonal blocks are summed over key tiles as [R, R] blocks and placed once, after the loop.
+        diagonal = pairwise_diagonal(x.blocks, num_blocks)
+        return (acc[0] + aqk, acc[1] + akk, *(a + d for a, d in zip(acc[2:], sum(map(tuple, diagonal), ()))))
+
+    zeros = jnp.zeros((size, size), _F32)
+    blocks = () if dense else (jnp.zeros((ROWS, ROWS), _F32),) * (2 * num_blocks)
+    aqk, akk, *diagonal = lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros, *blocks))
+    if not dense:
+        diag_qk, diag_kk = place_diagonal(list(zip(diagonal[0::2], diagonal[1::2])), size)
+        aqk, akk = aqk + diag_qk, akk + diag_kk
+    aqk, akk = mask_scores(doc_ref[...], aqk, akk)
+    return aqk, akk, unit_lower_inverse(beta_ref[...].astype(_F32)[:, None] * akk)
+
+
+def _write_key_tile(inputs, cols, aqk, t, w_ref, qp_ref, kd_ref, d_ref, *, scale):
+    x = _tile_input(*inputs, cols, scale=scale)
+    out = key_outputs(x, chunk_gates(x), aqk, t)
+    for name, ref in dict(w=w_ref, qp=qp_ref, kd=kd_ref).items():
+        ref[:, cols] = out[name].astype(ref.dtype)
+    d_ref[cols] = out["d"][0]
+
+
+def _write_value_tile(v_ref, beta_ref, cols, aqk, t, u_ref, ol_ref):
+    out = value_outputs(v_ref[:, cols].astype(_F32), beta_ref[...].astype(_F32)[:, None], aqk, t)
+    u_ref[:, cols], ol_ref[:, cols] = out["u"].astype(u_ref.dtype), out["ol"].astype(ol_ref.dtype)
+
+
 @with_precision
 def _tiled_intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref, qp_ref, kd_ref, u_ref, ol_ref,
                         d_ref, *score_refs, scale, dense, tile):
     """The per-chunk forward, `tile` key (then value) channels at a time: pass 1 sums the decayed scores over key
     tiles, then T = (I + diag(beta) Akk)^-1, pass 2 writes w, qp, kd per key tile, pass 3 u, ol per value tile."""
-    size, key_dim = q_ref.shape
-    value_dim = v_ref.shape[1]
-    doc = doc_ref[...]
-    beta = beta_ref[...].astype(_F32)[:, None]
-    doc_in, doc_last = blk.element(prev_ref[...], 0), blk.element(doc, size - 1)
-
-    def key_tile(j):
-        cols = pl.ds(j * tile, tile)
-        load = lambda ref: ref[:, cols].astype(_F32)  # noqa: E731
-        block = lambda ref, b: ref[pl.ds(b * ROWS, ROWS), cols].astype(_F32)  # noqa: E731
-        return cols, ChunkIn(q=load(q_ref) * scale, k=load(k_ref), v=None, g=load(g_ref), beta=beta, doc=doc,
-                             doc_in=doc_in, doc_last=doc_last,
-                             blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b)))
-
-    def add_scores(j, acc):
-        _, x = key_tile(j)
-        aqk, akk = partial_scores(x, chunk_gates(x).dec, dense=dense)
-        return acc[0] + aqk, acc[1] + akk
-
-    zeros = jnp.zeros((size, size), _F32)
-    aqk, akk = mask_scores(doc, *lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros)))
-    t = unit_lower_inverse(beta * akk)
+    key_dim, value_dim = q_ref.shape[1], v_ref.shape[1]
+    inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
+    aqk, akk, t = _solved_scores(*inputs, scale=scale, dense=dense, tile=tile)
 
     def write_keys(j, carry):
-        cols, x = key_tile(j)
-        out = key_outputs(x, chunk_gates(x), aqk, t)
-        for name, ref in dict(w=w_ref, qp=qp_ref, kd=kd_ref).items():
-            ref[:, cols] = out[name].astype(ref.dtype)
-        d_ref[cols] = out["d"][0]
+        _write_key_tile(inputs, pl.ds(j * tile, tile), aqk, t, w_ref, qp_ref, kd_ref, d_ref, scale=scale)
         return carry
 
     def write_values(j, carry):
-        cols = pl.ds(j * tile, tile)
-        out = value_outputs(v_ref[:, cols].astype(_F32), beta, aqk, t)
-        u_ref[:, cols], ol_ref[:, cols] = out["u"].astype(u_ref.dtype), out["ol"].astype(ol_ref.dtype)
+        _write_value_tile(v_ref, beta_ref, pl.ds(j * tile, tile), aqk, t, u_ref, ol_ref)
         return carry
 
     lax.fori_loop(0, key_dim // tile, write_keys, 0)
     lax.fori_loop(0, value_dim // tile, write_values, 0)
     for ref, value in zip(score_refs, (aqk, akk, t)):  # the backward's residuals
         ref[...] = value
+
+
+@with_precision
+def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, akk_ref, t_ref, *, scale, dense, tile):
+    """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve."""
+    aqk_ref[...], akk_ref[...], t_ref[...] = _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref,
+                                                            scale=scale, dense=dense, tile=tile)
+
+
+@with_precision
+def _key_output_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, t_ref, w_ref, qp_ref, kd_ref, d_ref,
+                       *, scale):
+    """Split forward, part 2 (grid chunks x value heads x key tiles): w, qp, kd and D of one key tile."""
+    inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
+    _write_key_tile(inputs, slice(None), aqk_ref[...], t_ref[...], w_ref, qp_ref, kd_ref, d_ref, scale=scale)
+
+
+@with_precision
+def _value_output_kernel(v_ref, beta_ref, aqk_ref, t_ref, u_ref, ol_ref):
+    """Split forward, part 3 (grid chunks x value heads x value tiles): u and ol of one value tile."""
+    _write_value_tile(v_ref, beta_ref, slice(None), aqk_ref[...], t_ref[...], u_ref, ol_ref)
+
+
+def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype,
+                         save_scores):
+    """intra_forward as three kernels: scores and solve per chunk, then outputs per (chunk, channel tile)."""
+    chunks, chunk, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2:]
+    group = value_heads // heads
+    tile = tuning.intra_tile
+    specs = input_specs(chunk, key_dim, value_dim, group)
+    square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), _F32)
+    aqk, akk, t = pl.pallas_call(
+        functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tile),
+        grid=(chunks, value_heads),
+        in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]],
+        out_specs=[chunk_tile(chunk, chunk)] * 3,
+        out_shape=[square] * 3,
+        compiler_params=compiler_params(tuning.intra_warps),
+        interpret=interpret,
+        name="kda_scores_fwd",
+    )(q, k, g, beta, doc, doc_prev)
+    qk = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h // group, j))
+    per_head = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h, j))
+    rows = pl.BlockSpec((None, chunk, None), lambda n, h, j: (n, 0, h))
+    doc_spec = pl.BlockSpec((None, chunk), lambda n, h, j: (n, 0))
+    scores = pl.BlockSpec((None, None, chunk, chunk), lambda n, h, j: (n, h, 0, 0))
+    out_tile = pl.BlockSpec((None, None, chunk, tile), lambda n, h, j: (n, h, 0, j))
+    shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), store_dtype)  # noqa: E731
+    w, qp, kd, d = pl.pallas_call(
+        functools.partial(_key_output_kernel, scale=scale, precision=precision),
+        grid=(chunks, value_heads, key_dim // tile),
+        in_specs=[qk, qk, per_head, rows, doc_spec, doc_spec, scores, scores],
+        out_specs=[out_tile] * 3 + [pl.BlockSpec((None, None, tile), lambda n, h, j: (n, h, j))],
+        out_shape=[shape(key_dim)] * 3 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)],
+        compiler_params=compiler_params(tuning.output_warps),
+        interpret=interpret,
+        name="kda_key_out_fwd",
+    )(q, k, g, beta, doc, doc_prev, aqk, t)
+    u, ol = pl.pallas_call(
+        functools.partial(_value_output_kernel, precision=precision),
+        grid=(chunks, value_heads, value_dim // tile),
+        in_specs=[per_head, rows, scores, scores],
+        out_specs=[out_tile] * 2,
+        out_shape=[shape(value_dim)] * 2,
+        compiler_params=compiler_params(tuning.output_warps),
+        interpret=interpret,
+        name="kda_value_out_fwd",
+    )(v, beta, aqk, t)
+    return (w, qp, kd, u, ol, d) + ((aqk, akk, t) if save_scores else ())
 
 
 def input_specs(chunk, key_dim, value_dim, group):
@@ -173,7 +294,12 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
     shape = lambda d, dtype=store_dtype: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), dtype)  # noqa: E731
     saved = 3 if save_scores else 0
     tile = tuning.intra_tile
-    if tile and key_dim % tile == 0 and value_dim % tile == 0:
+    tiled = tile and key_dim % tile == 0 and value_dim % tile == 0
+    if tiled and tuning.split_intra:
+        return _split_intra_forward(q, k, v, g, beta, doc, doc_prev, scale=scale, dense=dense, tuning=tuning,
+                                    interpret=interpret, precision=precision, store_dtype=store_dtype,
+                                    save_scores=save_scores)
+    if tiled:
         kernel = functools.partial(_tiled_intra_kernel, scale=scale, dense=dense, precision=precision, tile=tile)
     else:
         kernel = functools.partial(_intra_kernel, scale=scale, dense=dense, precision=precision)

@@ -147,23 +147,27 @@ def test_low_precision_scans_meet_the_bf16_bars(monkeypatch, separate_output):
                                                                         np.float32))
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
-def test_channel_tiled_kernels_match_reference(monkeypatch, gate, g_min):
+def test_channel_tiled_kernels_match_reference(monkeypatch, gate, g_min, split):
     # Tuning(intra_tile=8): the per-chunk forward and the score backward loop over two 8-channel key and value tiles
-    # (the GPU default takes 32 of 128); GVA, documents, an initial state and a padded length, fp32.
+    # (the GPU default takes 32 of 128); split: the forward as scores + per-tile output kernels. GVA, documents, an
+    # initial state and a padded length, fp32.
     import functools
 
     from pallas_kernels.kda import pallas_bwd, pallas_fwd
     traced = []
-    for module, name in ((pallas_fwd, "_tiled_intra_kernel"), (pallas_bwd, "_tiled_score_grad_kernel")):
+    forward = "_score_kernel" if split else "_tiled_intra_kernel"
+    for module, name in ((pallas_fwd, forward), (pallas_bwd, "_tiled_score_grad_kernel")):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: traced.append((_n, kw["tile"])) or
                             _k(*a, **kw))
-    tiled = functools.partial(kda_pallas, interpret=True, tuning=pallas_fwd.Tuning(intra_tile=8))
+    tuning = pallas_fwd.Tuning(intra_tile=8, split_intra=split)
+    tiled = functools.partial(kda_pallas, interpret=True, tuning=tuning)
     monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(
         jax.jit(tiled, static_argnames=api._KERNEL_STATIC)))
     x = random_inputs(8, batch=1, seq_len=45, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
                       g_min=-5.0)
     _compare(x, g_min, 16, _segments(1, 45), tol=1e-5)
     # the channel-tiled kernels ran, not the whole-tile ones
-    assert set(traced) == {("_tiled_intra_kernel", 8), ("_tiled_score_grad_kernel", 8)}
+    assert set(traced) == {(forward, 8), ("_tiled_score_grad_kernel", 8)}
