@@ -35,13 +35,13 @@ import time
 from absl import app, flags
 
 from experiments.bench_kda import G_MIN
-from experiments.profile_kda import parse_tuning  # also defines --shape and --gates, used here
+from experiments.profile_kda import parse_tuning  # also defines --shape, --gates and (bench_kda's) --tuning
 
 FLAGS = flags.FLAGS
 flags.declare_key_flag("shape")
 flags.declare_key_flag("gates")
+flags.declare_key_flag("tuning")
 FLAGS.set_default("shape", "1x1024x16x128")
-flags.DEFINE_string("tuning", "base", "'base' or 'field=value,...' of pallas_kernels.kda.pallas_fwd.Tuning.")
 flags.DEFINE_integer("chunk_size", 64, "chunk_kda's chunk_size.")
 flags.DEFINE_list("kernels", [], "Only kernels whose name contains one of these substrings (empty: all).")
 flags.DEFINE_string("keep_dir", "", "Keep each kernel's TTIR, TTGIR, LLVM IR, PTX, cubin and ptxas log in DIR/GATE/.")
@@ -293,9 +293,11 @@ def main(argv):
     if FLAGS.compile_worker:
         compile_worker(FLAGS.compile_worker)
         return
-    # Importing profile_kda (and through it bench_kda) defines their flags too; only --shape and --gates count here.
+    # Importing profile_kda (and through it bench_kda) defines their flags too; only --shape, --gates and --tuning
+    # count here.
     foreign = [f.name for module in ("experiments.profile_kda", "experiments.bench_kda")
-               for f in FLAGS.flags_by_module_dict().get(module, ()) if f.present and f.name not in ("shape", "gates")]
+               for f in FLAGS.flags_by_module_dict().get(module, ())
+               if f.present and f.name not in ("shape", "gates", "tuning")]
     if foreign:
         raise app.UsageError(f"--{', --'.join(foreign)}: flags of other experiments, unused here (see --help)")
     bad_gates = set(FLAGS.gates) - {"bounded", "unbounded"}
