@@ -26,33 +26,34 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Launch parameters. state_tile: value columns per program of the scans (more programs, less work each);
-    key_tile: key channels per program of the per-chunk kernels that are elementwise in the key channel."""
+    """Launch parameters of the kernels. The defaults are the fastest measured on the H200 at B=1, T=32768, H=16,
+    K=V=128 (`experiments/profile_kda.py`, results in benchmarks/notes_kda.md, v5)."""
 
+    # Value columns per program of the forward scan (more programs, less work each); the backward scan's, 0: the same.
     state_tile: int = 32
+    state_grad_tile: int = 16
+    # Key channels per program of the backward kernels that are elementwise in the key channel.
     key_tile: int = 32
-    # Key and value channels per step of the forward's per-chunk kernel, which loops over channel tiles (scores summed
+    # Key and value channels per step of the forward's per-chunk work, which loops over channel tiles (scores summed
     # over key tiles, then w, qp, kd per key tile and u, ol per value tile) so that only [C, tile] input tiles and the
     # [C, C] scores are live. 0: the whole-tile kernel (every [C, K] tile at once).
     intra_tile: int = 32
     # Forward per-chunk work as three kernels: scores and solve per chunk (stored), then w, qp, kd per (chunk, key
-    # tile) and u, ol per (chunk, value tile) in small kernels of `output_warps` warps.
-    split_intra: bool = False
+    # tile) and u, ol per (chunk, value tile) in small kernels of `output_warps` warps. False: one kernel.
+    split_intra: bool = True
     output_warps: int = 4
-    intra_warps: int = 8
-    score_bwd_warps: int = 8
-    input_bwd_warps: int = 8
+    intra_warps: int = 4
+    score_bwd_warps: int = 4
+    input_bwd_warps: int = 4
     state_side_warps: int = 4
-    state_grad_tile: int = 0  # value columns per program of the backward scan; 0: state_tile
     state_warps: int = 4
     state_stages: int = 2
     # Scan only the states and compute o = ol + qp S from the stored states in a kernel parallel over chunks: two
-    # matmuls and three loads per step on the serial path instead of three and five. Not yet timed on a GPU.
+    # matmuls and three loads per step on the serial path instead of three and five.
     separate_output: bool = False
     # Multiply in the scans with the state (and v_new, dS) rounded to the stored intermediates' dtype (bf16 for bf16
     # inputs), accumulating in fp32; the state itself stays fp32. False: TF32 products of fp32 operands.
-    scan_low_precision: bool = False
-
+    scan_low_precision: bool = True
 
     @classmethod
     def from_string(cls, text):

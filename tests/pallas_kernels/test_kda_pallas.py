@@ -141,7 +141,8 @@ def test_low_precision_scans_meet_the_bf16_bars(monkeypatch, separate_output):
     # The option really changes the products: the outputs differ from the fp32-operand scans'.
     low_o = _run("interpret", x, -5.0, 16, None)["o"]
     monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(jax.jit(
-        functools.partial(kda_pallas, interpret=True, tuning=Tuning(separate_output=separate_output)),
+        functools.partial(kda_pallas, interpret=True,
+                          tuning=Tuning(scan_low_precision=False, separate_output=separate_output)),
         static_argnames=api._KERNEL_STATIC)))
     assert not np.array_equal(np.asarray(low_o, np.float32), np.asarray(_run("interpret", x, -5.0, 16, None)["o"],
                                                                         np.float32))

@@ -20,6 +20,7 @@ STAGES = [
     "s1/StageConfig.seq_len = 32", "s1/StageConfig.steps = 3",
     "s2/StageConfig.seq_len = 64", "s2/StageConfig.steps = 3",
     "s2/StageConfig.long_doc_share = 0.5", "s2/StageConfig.eval_lengths = (64, 128)",
+    "s2/StageConfig.retrieval_share = 0.25", "s2/StageConfig.retrieval_tasks = ('niah_single',)",
     "TrainConfig.stages = (@s1/StageConfig(), @s2/StageConfig())",
 ]
 
@@ -85,9 +86,12 @@ def test_stage_switch_carries_state_and_rebuilds_data(straight):
     assert eval_shapes == [(8, 32)] * 2 + [(4, 64)] * 2  # 2 validation batches after each stage
     # Stage 2 starts from exactly the params stage 1 ended with.
     assert_trees_equal(calls[2]["after"], calls[3]["before"])
-    # ... and from the first batch of its own data stream (seq_len 64, half long-document rows).
+    # ... and from the first batch of its own data stream (seq_len 64, half long-document rows,
+    # a quarter retrieval rows).
     stage2 = plan_stages(staged_config(), 1)[1]
-    first = next(data_lib.make_train_iterator(stage2.data, long_doc_share=0.5))
+    first = next(data_lib.make_train_iterator(stage2.data, long_doc_share=0.5,
+                                              retrieval_share=0.25,
+                                              retrieval_tasks=("niah_single",)))
     np.testing.assert_array_equal(calls[3]["tokens"], first["tokens"])
 
     summaries = records(workdir, "stage")
@@ -178,6 +182,13 @@ def test_batch_adapts_to_keep_tokens_per_step():
     ({"seq_len": 512, "tokens_per_step": 1000}, "StageConfig.tokens_per_step must be a multiple of "
                                                 "seq_len=512"),
     ({"long_doc_share": 1.5}, r"StageConfig.long_doc_share must be in \[0.0, 1.0\], got 1.5"),
+    ({"retrieval_share": 1.5}, r"StageConfig.retrieval_share must be in \[0.0, 1.0\], got 1.5"),
+    ({"retrieval_share": -0.1}, r"StageConfig.retrieval_share must be in \[0.0, 1.0\], got -0.1"),
+    ({"long_doc_share": 0.75, "retrieval_share": 0.5},
+     "StageConfig.retrieval_share must be at most 1 - long_doc_share = 0.25 .*got 0.5"),
+    ({"retrieval_tasks": ("niah_single", "needle")},
+     "StageConfig.retrieval_tasks must be one of 'niah_single', .*got 'needle'"),
+    ({"retrieval_tasks": ()}, "StageConfig.retrieval_tasks must be a non-empty tuple"),
     ({"eval_lengths": (512, 0)}, "StageConfig.eval_lengths must be a tuple of positive integers"),
     ({"advance_if": "loss"}, "StageConfig.advance_if must be one of 'never', 'plateau'"),
     ({"patience": 0}, "StageConfig.patience must be a positive integer, got 0"),
@@ -205,6 +216,13 @@ def test_stage_configs_parse():
         (512, 16, 8192), (2048, 4, 8192), (8192, 1, 8192)]
     shares = [s.config.long_doc_share for s in ramp]
     assert shares == sorted(shares) and shares[-1] > 0
+    # Its control differs only in the context lengths: same steps, tokens per step, retrieval mix.
+    (control,) = plan_stages(load_config(["configs/stages/tiny_512.gin"]), 1)
+    assert control.seq_len == 512 and control.tokens_per_step == 8192
+    assert control.config.steps == sum(s.config.steps for s in ramp)
+    for s in ramp:
+        assert s.config.retrieval_share == control.config.retrieval_share > 0
+        assert s.config.retrieval_tasks == control.config.retrieval_tasks
     k3 = plan_stages(load_config(["configs/stages/k3_1m.gin"]), 1)
     assert [s.seq_len for s in k3] == [8192, 65536, 262144, 1048576]
     assert {s.tokens_per_step for s in k3} == {2 ** 26}
