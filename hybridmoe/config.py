@@ -316,6 +316,10 @@ class DataConfig:
 
 
 ADVANCE_RULES = ("never", "plateau")
+# The synthetic retrieval tasks a stage can train on: hybridmoe.eval.long_context.TASKS' names
+# (tests/data/test_retrieval_rows.py checks that the two lists agree).
+RETRIEVAL_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking",
+                   "associative_recall")
 
 
 @gin.configurable
@@ -330,6 +334,10 @@ class StageConfig:
 
     `long_doc_share` of each batch's rows are whole windows of a single document at least
     seq_len + 1 tokens long, the rest rows of the packed stream (hybridmoe/data/pipeline.py).
+    `retrieval_share` of each batch's rows are synthetic retrieval rows (hybridmoe/data/retrieval.py):
+    the long-context evaluator's needles and query (one of `retrieval_tasks`, at a random depth)
+    in a haystack of train-split documents, followed by the answer, so the LM loss teaches copying.
+    long_doc_share + retrieval_share is at most 1; the rest are rows of the packed stream.
     `eval_lengths` are the context lengths the long-context evaluator scores after this stage.
     `advance_if="plateau"` ends the stage before `steps` once `patience` validations in a row
     have not beaten the stage's best validation loss by more than `min_delta`.
@@ -340,6 +348,8 @@ class StageConfig:
     batch_size: int = 0  # rows per process; 0: from tokens_per_step
     tokens_per_step: int = 0  # global; 0: the base config's (see above)
     long_doc_share: float = 0.0
+    retrieval_share: float = 0.0
+    retrieval_tasks: tuple[str, ...] = RETRIEVAL_TASKS
     eval_lengths: tuple[int, ...] = ()
     advance_if: str = "never"  # or "plateau"
     patience: int = 3  # plateau: validations without progress before the stage ends
@@ -356,6 +366,16 @@ class StageConfig:
             _fail(name, "tokens_per_step", self.tokens_per_step,
                   f"a multiple of seq_len={self.seq_len} (whole rows per step)")
         _check_range(name, "long_doc_share", self.long_doc_share, 0.0, 1.0)
+        _check_range(name, "retrieval_share", self.retrieval_share, 0.0, 1.0)
+        if self.long_doc_share + self.retrieval_share > 1.0:
+            _fail(name, "retrieval_share", self.retrieval_share,
+                  f"at most 1 - long_doc_share = {1.0 - self.long_doc_share:g} (the two shares "
+                  f"split one batch)")
+        object.__setattr__(self, "retrieval_tasks", tuple(self.retrieval_tasks))
+        if not self.retrieval_tasks or len(set(self.retrieval_tasks)) != len(self.retrieval_tasks):
+            _fail(name, "retrieval_tasks", self.retrieval_tasks, "a non-empty tuple without repeats")
+        for task in self.retrieval_tasks:
+            _check_in(name, "retrieval_tasks", task, RETRIEVAL_TASKS)
         object.__setattr__(self, "eval_lengths", tuple(self.eval_lengths))  # gin gives lists
         if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.eval_lengths):
             _fail(name, "eval_lengths", self.eval_lengths, "a tuple of positive integers")

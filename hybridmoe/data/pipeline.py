@@ -16,9 +16,11 @@ import hashlib
 import grain
 import numpy as np
 
-from hybridmoe.config import DataConfig
+from hybridmoe.config import RETRIEVAL_TASKS, DataConfig
 from hybridmoe.data.corpus import Corpus, load_corpus
 from hybridmoe.data.packing import long_document_windows, num_rows, pack_rows, pack_windows
+from hybridmoe.data.retrieval import (RETRIEVAL_MARK, check_tasks, pack_retrieval_rows,
+                                      train_haystack)
 
 # Rows are packed per batch with vectorised numpy: two threads keep up with an accelerator, and a
 # short buffer bounds host memory at large batch sizes.
@@ -56,50 +58,91 @@ def _long_windows(corpus: Corpus, config: DataConfig, shard_index: int, shard_co
     return _shuffled_forever(ds, config.seed, "long-windows")
 
 
+def _retrieval_items(shard_index: int, shard_count: int) -> grain.MapDataset:
+    """This shard's retrieval rows k ≡ shard_index (mod shard_count), in order, as items
+    RETRIEVAL_MARK - k (never exhausted in practice: 2^40 rows)."""
+    ks = grain.MapDataset.range(shard_index, 2 ** 40, shard_count)
+    return ks.map(lambda k: RETRIEVAL_MARK - k)
+
+
 def train_row_starts(config: DataConfig, corpus: Corpus, *, long_doc_share: float = 0.0,
-                     shard_index: int = 0, shard_count: int = 1) -> grain.MapDataset:
+                     retrieval_share: float = 0.0, shard_index: int = 0,
+                     shard_count: int = 1) -> grain.MapDataset:
     """Infinite MapDataset of the stream positions where this shard's train rows start.
 
     Rows of the packed stream start at r·T for r ≡ shard_index (mod shard_count); each epoch
     visits every one once, in an order drawn from DataConfig.seed and the epoch number. With
     `long_doc_share` > 0 (a curriculum stage's mixture), exactly that share of positions, at a
-    fixed rhythm, are instead windows inside single long documents, drawn the same way.
+    fixed rhythm, are instead windows inside single long documents, drawn the same way. With
+    `retrieval_share` > 0, that share of items are synthetic retrieval rows instead
+    (hybridmoe/data/retrieval.py): item RETRIEVAL_MARK - k (≤ -2) is retrieval row k, this
+    shard's rows k ≡ shard_index (mod shard_count) taken in order.
     """
     _check_shard(shard_index, shard_count)
+    if long_doc_share + retrieval_share > 1.0:
+        raise ValueError(f"StageConfig.retrieval_share must be at most 1 - long_doc_share = "
+                         f"{1.0 - long_doc_share:g}, got {retrieval_share!r}")
     rows = num_rows(corpus.num_tokens, config.seq_len)
     if rows < shard_count:
         raise ValueError(f"DataConfig.seq_len={config.seq_len} gives the train split only {rows} "
                          f"rows, fewer than shard_count={shard_count}: lower seq_len or add data")
     parts, weights = [], []
-    if long_doc_share < 1.0:
+    packed_share = 1.0 - long_doc_share - retrieval_share
+    if packed_share > 0.0:
         starts = grain.MapDataset.range(0, rows * config.seq_len, config.seq_len)
         parts.append(_shuffled_forever(starts[shard_index::shard_count], config.seed, "train-rows"))
-        weights.append(1.0 - long_doc_share)
+        weights.append(packed_share)
     if long_doc_share > 0.0:
         parts.append(_long_windows(corpus, config, shard_index, shard_count, long_doc_share))
         weights.append(long_doc_share)
+    if retrieval_share > 0.0:
+        parts.append(_retrieval_items(shard_index, shard_count))
+        weights.append(retrieval_share)
     return parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
 
 
-def train_dataset(config: DataConfig, *, long_doc_share: float = 0.0, shard_index: int = 0,
-                  shard_count: int = 1) -> grain.MapDataset:
+def _pack_mixed(corpus: Corpus, items: np.ndarray, *, config: DataConfig,
+                retrieval_tasks: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """A batch of train_row_starts items: stream windows, and retrieval rows in their slots."""
+    items = np.asarray(items, np.int64)
+    is_retrieval = items <= RETRIEVAL_MARK
+    batch = pack_windows(corpus, np.where(is_retrieval, -1, items), config.seq_len)
+    if is_retrieval.any():
+        synthetic = pack_retrieval_rows(train_haystack(config), retrieval_tasks,
+                                        RETRIEVAL_MARK - items[is_retrieval], config.seq_len,
+                                        config.seed)
+        for key, value in synthetic.items():
+            batch[key][is_retrieval] = value
+    return batch
+
+
+def train_dataset(config: DataConfig, *, long_doc_share: float = 0.0,
+                  retrieval_share: float = 0.0, retrieval_tasks=RETRIEVAL_TASKS,
+                  shard_index: int = 0, shard_count: int = 1) -> grain.MapDataset:
     """Infinite MapDataset of train batches packed from `train_row_starts`; a batch may straddle
     two epochs."""
     corpus = load_corpus(config, "train")
-    ds = train_row_starts(config, corpus, long_doc_share=long_doc_share, shard_index=shard_index,
+    ds = train_row_starts(config, corpus, long_doc_share=long_doc_share,
+                          retrieval_share=retrieval_share, shard_index=shard_index,
                           shard_count=shard_count)
     ds = ds.batch(config.batch_size, drop_remainder=True)
+    if retrieval_share > 0.0:
+        return ds.map(functools.partial(_pack_mixed, corpus, config=config,
+                                        retrieval_tasks=check_tasks(retrieval_tasks)))
     return ds.map(functools.partial(pack_windows, corpus, seq_len=config.seq_len))
 
 
-def make_train_iterator(config: DataConfig, *, long_doc_share: float = 0.0, shard_index: int = 0,
-                        shard_count: int = 1) -> grain.DatasetIterator:
+def make_train_iterator(config: DataConfig, *, long_doc_share: float = 0.0,
+                        retrieval_share: float = 0.0, retrieval_tasks=RETRIEVAL_TASKS,
+                        shard_index: int = 0, shard_count: int = 1) -> grain.DatasetIterator:
     """Iterator over train batches; `get_state()` / `set_state()` save and restore its position.
 
     The state is a small JSON-able dict (the next batch index): store it with the checkpoint
-    (grain.checkpoint.CheckpointSave / CheckpointRestore for Orbax).
+    (grain.checkpoint.CheckpointSave / CheckpointRestore for Orbax). Retrieval rows are a
+    function of (DataConfig.seed, row number), so they resume with it.
     """
-    ds = train_dataset(config, long_doc_share=long_doc_share, shard_index=shard_index,
+    ds = train_dataset(config, long_doc_share=long_doc_share, retrieval_share=retrieval_share,
+                       retrieval_tasks=retrieval_tasks, shard_index=shard_index,
                        shard_count=shard_count)
     return iter(ds.to_iter_dataset(READ_OPTIONS))
 

@@ -224,16 +224,27 @@ def _encode_needles(encode: Callable[[str], np.ndarray], needles: Sequence[Needl
     return np.concatenate(parts).astype(np.int32), offsets
 
 
+# The random streams examples are drawn from. "eval" is the evaluator's (and the only one it
+# uses); "train" is the training mixture's synthetic retrieval rows (StageConfig.retrieval_share,
+# hybridmoe/data/retrieval.py), whose seed words carry an extra leading tag, so the two never share
+# a seed sequence. Training draws its filler from the train split, the evaluator from validation.
+STREAMS = ("eval", "train")
+_STREAM_TAG = {"train": zlib.crc32(b"hybridmoe/train-retrieval")}
+
+
 def make_example(haystack: Haystack, task: str, length: int, depth: float, seed: int,
-                 index: int = 0) -> Example:
+                 index: int = 0, *, stream: str = "eval") -> Example:
     """Example `index` of (task, length, seed) with its anchor at `depth`; the same inputs give
-    the same example, and other depths give the same keys, values and filler."""
+    the same example, and other depths give the same keys, values and filler. `stream` picks the
+    random stream (STREAMS): leave it at "eval" for evaluation."""
     _check_choice("task", task, tuple(TASKS))
     _check_int("length", length)
     _check_depth("depth", depth)
     _check_int("seed", seed, minimum=0)
     _check_int("index", index, minimum=0)
-    rng = np.random.default_rng([zlib.crc32(task.encode()), length, seed, index])
+    _check_choice("stream", stream, STREAMS)
+    words = [zlib.crc32(task.encode()), length, seed, index]
+    rng = np.random.default_rng(words if stream == "eval" else [_STREAM_TAG[stream]] + words)
     layout = TASKS[task](rng, float(depth))
     encode = haystack.tokenizer.encode
     anchor, value_offsets = _encode_needles(encode, layout.anchor)

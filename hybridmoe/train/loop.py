@@ -175,8 +175,10 @@ def _enter_stage(config: ExperimentConfig, stage: stages_lib.Stage,
     """Compiled functions, train iterator (at `iterator_state`) and eval batches at the stage's shape."""
     procs, rank = jax.process_count(), jax.process_index()
     shardings, _, step_fn, eval_fn = _stage_functions(config, stage)
-    train_iter = data_lib.make_train_iterator(stage.data, long_doc_share=stage.config.long_doc_share,
-                                              shard_index=rank, shard_count=procs)
+    train_iter = data_lib.make_train_iterator(
+        stage.data, long_doc_share=stage.config.long_doc_share,
+        retrieval_share=stage.config.retrieval_share,
+        retrieval_tasks=stage.config.retrieval_tasks, shard_index=rank, shard_count=procs)
     if iterator_state is not None:
         train_iter.set_state(iterator_state)
     eval_batches = [_global_batch(b, shardings.batch) for b in data_lib.make_eval_batches(
