@@ -77,7 +77,8 @@ class KDAConfig:
         _check_range(name, "g_min", self.g_min, -20.0, 0.0, hi_open=True)
         if self.chunk_size % 16:
             _fail(name, "chunk_size", self.chunk_size, "a positive multiple of 16")
-        _check_in(name, "backend", self.backend, ("auto", "reference", "xla", "pallas", "interpret"))
+        _check_in(name, "backend", self.backend, ("auto", "reference", "xla", "pallas", "interpret", "pallas_tpu",
+                                                  "interpret_tpu"))
 
     @property
     def value_heads(self) -> int:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda.chunked_xla import chunk_kda_xla
 from pallas_kernels.kda.layout import expand_heads
 from pallas_kernels.kda.pallas_op import kda_pallas
+from pallas_kernels.kda.pallas_tpu import kda_pallas_tpu
 from pallas_kernels.kda.reference import kda_reference, kda_step
 from pallas_kernels.kda.tiling import kda_diagonal_path
 
@@ -59,15 +60,25 @@ _KERNEL_STATIC = ("scale", "chunk_size", "diagonal")  # a kernel cannot close ov
 # Every backend takes (q, k, v, g, beta, initial_state [B, HV, K, V] fp32, segment_ids [B, T] or None, *, scale,
 # chunk_size, diagonal = kda_diagonal_path(g_min, chunk_size)) and returns (o [B, T, HV, V], final state fp32).
 # A new backend is one entry here.
+def _kda_pallas_here(*args, **kw):
+    """The Pallas kernels of the platform being compiled for: Mosaic TPU kernels on TPU, the GPU ones elsewhere."""
+    return (kda_pallas_tpu if jax.default_backend() == "tpu" else kda_pallas)(*args, **kw)
+
+
 BACKENDS = {
     "reference": _jit(_reference_backend),
     "xla": _whole_chunks(_jit(chunk_kda_xla)),
-    "pallas": _whole_chunks(jax.jit(kda_pallas, static_argnames=_KERNEL_STATIC)),
+    "pallas": _whole_chunks(jax.jit(_kda_pallas_here, static_argnames=_KERNEL_STATIC)),
     "interpret": _whole_chunks(jax.jit(functools.partial(kda_pallas, interpret=True),
                                        static_argnames=_KERNEL_STATIC)),
+    # The Mosaic TPU kernels (pallas_tpu.py) by name, and in Pallas' TPU interpreter (any platform).
+    "pallas_tpu": _whole_chunks(jax.jit(kda_pallas_tpu, static_argnames=_KERNEL_STATIC)),
+    "interpret_tpu": _whole_chunks(jax.jit(functools.partial(kda_pallas_tpu, interpret=True),
+                                           static_argnames=_KERNEL_STATIC)),
 }
-# "auto": the kernels where Pallas compiles them, the chunked XLA version elsewhere. Not TPU yet: the kernels' blocks
-# ([C, K] tiles with a squeezed head axis, [C] vectors) are not Mosaic TPU tiles, so they do not lower there.
+# "auto": the kernels where they have been compiled and verified on the hardware, the chunked XLA version elsewhere.
+# TPU: the Mosaic TPU kernels pass the interpreter's tests and lower for TPU targets, but no TPU compiler has built
+# them yet, so "auto" stays on XLA there; backend="pallas" (KDAConfig.backend) opts in.
 AUTO_BACKEND = {"gpu": "pallas"}
 FALLBACK_BACKEND = "xla"
 

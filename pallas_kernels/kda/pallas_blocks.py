@@ -20,6 +20,8 @@ _F32 = jnp.float32
 # Matmul algorithm while a kernel body is traced: None (TF32 operands on GPU tensor cores, enough for bf16 inputs) or
 # a lax.DotAlgorithmPreset such as TF32_TF32_F32_X3 for fp32 inputs. Set with matmul_precision, never globally.
 _PRECISION = contextvars.ContextVar("kda_matmul_precision", default=None)
+# True while a Mosaic TPU kernel body is traced: prefix sums become triangular matmuls (Mosaic TPU has no cumsum).
+_MATMUL_SCANS = contextvars.ContextVar("kda_matmul_scans", default=False)
 
 
 @contextlib.contextmanager
@@ -29,6 +31,26 @@ def matmul_precision(precision):
         yield
     finally:
         _PRECISION.reset(token)
+
+
+@contextlib.contextmanager
+def matmul_scans():
+    """Within: cumsum_rows is a lower-triangular ones matmul at fp32 precision (for Mosaic TPU) instead of a scan."""
+    token = _MATMUL_SCANS.set(True)
+    try:
+        yield
+    finally:
+        _MATMUL_SCANS.reset(token)
+
+
+def cumsum_rows(x):
+    """Inclusive prefix sum over axis 0 of [R, D]."""
+    if not _MATMUL_SCANS.get():
+        return jnp.cumsum(x, axis=0)
+    size = x.shape[0]
+    lower = (_iota((size, size), 0) >= _iota((size, size), 1)).astype(_F32)
+    return lax.dot_general(lower, x, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=_F32)
 
 
 def _dot(a, b, dims):

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.kda.pallas_blocks import (ROWS, mm, mm_nt, mm_tn, nilpotent_inverse, pairwise_columns,
-                                              pairwise_grads, row)
+from pallas_kernels.kda.pallas_blocks import (ROWS, cumsum_rows, mm, mm_nt, mm_tn, nilpotent_inverse,
+                                              pairwise_columns, pairwise_grads, row)
 
 _F32 = jnp.float32
 
@@ -30,22 +30,28 @@ class ChunkIn(NamedTuple):
     v: jax.Array  # [C, V] (None where a kernel does not need it)
     g: jax.Array  # [C, K] per-step log decay
     beta: jax.Array  # [C, 1]
-    doc: jax.Array  # [C] int32 document index
-    doc_in: jax.Array  # scalar: document of the incoming state
-    doc_last: jax.Array  # scalar: document of the chunk's last token
+    doc: jax.Array  # [C] (or [C, 1]) int32 document index
+    doc_in: jax.Array  # scalar (or [1, 1]): document of the incoming state
+    doc_last: jax.Array  # scalar (or [1, 1]): document of the chunk's last token
     # b -> (q_b, k_b, g_b) [R, K]: 16-row blocks for the pairwise diagonal. Only decay differences inside a block
     # enter it, so the block's own cumulative sum of g_b stands in for the chunk's.
     blocks: Callable
+    # [1, C]: doc as a row, where the kernel has it in that layout (Mosaic TPU: no [C] vectors); None: from doc.
+    doc_row: jax.Array = None
+
+    def _same_doc(self, other):
+        """[C, 1] bool: doc == other, from a [C] doc (then widened) or a [C, 1] one."""
+        return self.doc == other if self.doc.ndim == 2 else (self.doc == other)[:, None]
 
     @property
     def reads(self):
         """[C, 1] bool: rows of the incoming state's document (only they read S0)."""
-        return (self.doc == self.doc_in)[:, None]
+        return self._same_doc(self.doc_in)
 
     @property
     def in_last(self):
         """[C, 1] bool: rows of the chunk's last document (only they reach the outgoing state)."""
-        return (self.doc == self.doc_last)[:, None]
+        return self._same_doc(self.doc_last)
 
 
 def _iota(shape, axis):
@@ -81,7 +87,7 @@ class Decay(NamedTuple):
 
 
 def decay(g):
-    gam = jnp.cumsum(g, axis=0)
+    gam = cumsum_rows(g)
     size = gam.shape[0]
     row_block = _iota((size, 1), 0) // ROWS
     anchors = [row(gam, ROWS * i)[None, :] for i in range(size // ROWS)]
@@ -99,11 +105,11 @@ def column_blocks(dec, *, dense):
     return out
 
 
-def masks(doc):
-    """Same-document causal masks [C, C]: Aqk (c <= r) and L (c < r)."""
+def masks(doc, doc_row=None):
+    """Same-document causal masks [C, C]: Aqk (c <= r) and L (c < r). doc: [C] or [C, 1]; doc_row: [1, C] or None."""
     size = doc.shape[0]
     r, c = _iota((size, size), 0), _iota((size, size), 1)
-    same = doc[:, None] == doc[None, :]
+    same = (doc if doc.ndim == 2 else doc[:, None]) == (doc[None, :] if doc_row is None else doc_row)
     return same & (r >= c), same & (r > c)
 
 
@@ -122,7 +128,7 @@ def partial_scores(x: ChunkIn, dec: Decay, *, dense, with_diagonal=True):
     if not dense and with_diagonal:
         for b in range(size // ROWS):
             q_b, k_b, g_b = x.blocks(b)
-            diag_qk, diag_kk = pairwise_columns((q_b, k_b), k_b, jnp.cumsum(g_b, axis=0))
+            diag_qk, diag_kk = pairwise_columns((q_b, k_b), k_b, cumsum_rows(g_b))
             aqk, akk = aqk + put_block(diag_qk, b, size), akk + put_block(diag_kk, b, size)
     return aqk, akk
 
@@ -134,7 +140,7 @@ def pairwise_diagonal(blocks, num_blocks):
     out = []
     for b in range(num_blocks):
         q_b, k_b, g_b = blocks(b)
-        out.append(pairwise_columns((q_b, k_b), k_b, jnp.cumsum(g_b, axis=0)))
+        out.append(pairwise_columns((q_b, k_b), k_b, cumsum_rows(g_b)))
     return out
 
 
@@ -146,15 +152,15 @@ def place_diagonal(diagonal, size):
     return aqk, akk
 
 
-def mask_scores(doc, aqk, akk):
+def mask_scores(doc, aqk, akk, doc_row=None):
     """Same-document causal masks applied: Aqk keeps c <= r, Akk c < r."""
-    mask_qk, mask_kk = masks(doc)
+    mask_qk, mask_kk = masks(doc, doc_row)
     return jnp.where(mask_qk, aqk, 0.0), jnp.where(mask_kk, akk, 0.0)
 
 
 def scores(x: ChunkIn, dec: Decay, *, dense):
     """Masked decayed scores: Aqk [C, C] (c <= r) and Akk [C, C] (c < r)."""
-    return mask_scores(x.doc, *partial_scores(x, dec, dense=dense))
+    return mask_scores(x.doc, *partial_scores(x, dec, dense=dense), doc_row=x.doc_row)
 
 
 def unit_lower_inverse(l):
@@ -243,7 +249,7 @@ def backward_scores(x: ChunkIn, k_base, aqk, akk, t, w, u, do, du, dqp, dw):
     dv = x.beta * dvb
     dkb = mm_tn(t, dw - mm_tn(aqk, dqp))
     daqk, dl = daqk - mm_nt(dqp, w), dl - mm_nt(dkb, w)
-    mask_qk, mask_kk = masks(x.doc)
+    mask_qk, mask_kk = masks(x.doc, x.doc_row)
     daqk, dl = jnp.where(mask_qk, daqk, 0.0), jnp.where(mask_kk, dl, 0.0)
     dbeta = dbeta + jnp.sum(dkb * k_base, axis=1) + jnp.sum(dl * akk, axis=1)
     return daqk, x.beta * dl, dkb, dv, dbeta[:, None]
@@ -277,7 +283,7 @@ def backward_inputs(x: ChunkIn, core: Gates, daqk, dakk, dkb, dqp, dkd, dd, diag
             q_b, k_b, g_b = x.blocks(b)
             daqk_bb, dakk_bb = diag_blocks(b)
             daqk_bb = jnp.where(_iota((ROWS, ROWS), 0) == _iota((ROWS, ROWS), 1), 0.0, daqk_bb)
-            (dq_b, dk_b), dy_b = pairwise_grads((daqk_bb, dakk_bb), (q_b, k_b), k_b, jnp.cumsum(g_b, axis=0))
+            (dq_b, dk_b), dy_b = pairwise_grads((daqk_bb, dakk_bb), (q_b, k_b), k_b, cumsum_rows(g_b))
             dxq, dxk = dxq + put_rows(dq_b, b, size), dxk + put_rows(dk_b, b, size)
             dyk = dyk + put_rows(dy_b, b, size)
     decay_in = jnp.where(x.reads, jnp.exp(dec.gam), 0.0)
@@ -286,6 +292,6 @@ def backward_inputs(x: ChunkIn, core: Gates, daqk, dakk, dkb, dqp, dkd, dd, diag
     dgam = x.q * dxq + x.k * (dxk - dyk) + (x.beta * x.k * dkb + x.q * dqp) * decay_in
     # kd_r = k_r e^(g_last - gam_r) depends on the gates after r: an exclusive prefix sum, not "+ all - own row".
     kd_term = x.k * core.kd_scale * dkd
-    dg = (core.carried * dd + jnp.sum(dgam, axis=0)[None, :] - jnp.cumsum(dgam, axis=0) + dgam
-          + jnp.cumsum(kd_term, axis=0) - kd_term)
+    dg = (core.carried * dd + jnp.sum(dgam, axis=0)[None, :] - cumsum_rows(dgam) + dgam
+          + cumsum_rows(kd_term) - kd_term)
     return dq, dk, dg

@@ -1,7 +1,9 @@
 """The Pallas KDA kernels in interpret mode against the token-by-token reference (forward and backward).
 
 The fast tests use 16-token chunks (one sub-chunk block per chunk) and K = V = 16 so the interpreted kernels compile
-in seconds; the 64-token chunks of the GPU path run under the `slow` mark.
+in seconds; the 64-token chunks of the GPU path run under the `slow` mark. Both kernel sets run the same checks:
+"interpret" (the GPU kernels, pallas_fwd/pallas_bwd) and "interpret_tpu" (the Mosaic TPU kernels, pallas_tpu, in
+Pallas' TPU interpreter).
 """
 
 import jax
@@ -14,6 +16,7 @@ from pallas_kernels.kda.pallas_op import kda_pallas, pallas_dense
 from pallas_kernels.kda.testing import random_inputs
 
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate0")
+KERNELS = pytest.mark.parametrize("backend", ["interpret", "interpret_tpu"])
 
 
 def _segments(batch, seq_len):
@@ -37,31 +40,34 @@ def _run(backend, x, g_min, chunk_size, segment_ids, cotangent_seed=1):
     return dict(zip(NAMES, (o, state, *vjp((do, ds)))))
 
 
-def _compare(x, g_min, chunk_size, segment_ids, tol):
+def _compare(x, g_min, chunk_size, segment_ids, tol, backend="interpret"):
     ref = _run("reference", x, g_min, chunk_size, segment_ids)
-    out = _run("interpret", x, g_min, chunk_size, segment_ids)
+    out = _run(backend, x, g_min, chunk_size, segment_ids)
     for name in NAMES:
         assert np.isfinite(np.asarray(out[name], np.float32)).all(), name
         err = relative_rms_error(np.asarray(ref[name], np.float32), np.asarray(out[name], np.float32))
         assert err < tol[name] if isinstance(tol, dict) else err < tol, (name, err)
 
 
+@KERNELS
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
-def test_interpret_matches_reference_fp32(gate, g_min):
+def test_interpret_matches_reference_fp32(backend, gate, g_min):
     # GVA (HV = 2H), a random initial state, documents, and a length that is padded to whole chunks.
     x = random_inputs(0, batch=1, seq_len=45, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
                       g_min=-5.0)
-    _compare(x, g_min, 16, _segments(1, 45), tol=1e-5)
+    _compare(x, g_min, 16, _segments(1, 45), tol=1e-5, backend=backend)
 
 
-def test_saturated_gate_is_finite_and_exact():
+@KERNELS
+def test_saturated_gate_is_finite_and_exact(backend):
     # g = g_min everywhere leaves dg about 1e-3 of the other gradients: the fp32 bar of the issue (1e-4) applies.
     x = random_inputs(2, batch=1, seq_len=32, heads=1, value_heads=1, key_dim=16, value_dim=16)
     x["g"] = jnp.full_like(x["g"], -5.0)
-    _compare(x, -5.0, 16, None, tol=1e-4)
+    _compare(x, -5.0, 16, None, tol=1e-4, backend=backend)
 
 
-def test_causality_is_bitwise():
+@KERNELS
+def test_causality_is_bitwise(backend):
     shape = dict(batch=1, seq_len=48, heads=1, value_heads=1, key_dim=16, value_dim=16, gate="bounded")
     x, y = random_inputs(3, **shape), random_inputs(4, **shape)
     cut = 20  # inside the second chunk: later rows of the same chunk change too
@@ -71,14 +77,14 @@ def test_causality_is_bitwise():
     def o_upto_cut(inputs):
         args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
         o, _ = chunk_kda(*args, initial_state=inputs["initial_state"], g_min=-5.0, chunk_size=16,
-                         backend="interpret")
+                         backend=backend)
         return np.asarray(o[:, :cut + 1])
 
     np.testing.assert_array_equal(o_upto_cut(x), o_upto_cut(mixed))
 
 
 def test_backends_registered_and_auto_is_xla_on_cpu():
-    assert {"pallas", "interpret"} <= set(api.BACKENDS)
+    assert {"pallas", "interpret", "pallas_tpu", "interpret_tpu"} <= set(api.BACKENDS)
     assert api.AUTO_BACKEND.get(jax.default_backend(), api.FALLBACK_BACKEND) == "xla"
 
 
@@ -96,14 +102,15 @@ def test_chunk_size_below_one_block_is_rejected():
 
 
 @pytest.mark.slow
+@KERNELS
 @pytest.mark.parametrize("seq_len", [63, 64, 500])
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
-def test_interpret_chunk64_bf16(seq_len, gate, g_min):
+def test_interpret_chunk64_bf16(backend, seq_len, gate, g_min):
     # The GPU configuration (64-token chunks, four 16-row blocks) with bf16 inputs, against the DESIGN 5 bars.
     x = random_inputs(5, batch=1, seq_len=seq_len, heads=2, value_heads=4, key_dim=32, value_dim=32, gate=gate,
                       g_min=-5.0, dtype=jnp.bfloat16)
     tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
-    _compare(x, g_min, 64, _segments(1, seq_len) if seq_len > 64 else None, tol=tol)
+    _compare(x, g_min, 64, _segments(1, seq_len) if seq_len > 64 else None, tol=tol, backend=backend)
 
 
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
