@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from typing import Any, Mapping
 
 import jax
@@ -44,8 +45,14 @@ class MetricsWriter:
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if enable_tensorboard:
-            from tensorboardX import SummaryWriter  # light dependency, only when logging
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            try:
+                from tensorboardX import SummaryWriter  # light dependency, only when logging
+            except ImportError:
+                # An environment without it (an accelerator image, say) still trains and logs to JSONL.
+                warnings.warn("TensorBoard logging is off: tensorboardX is not installed "
+                              f"(pip install tensorboardX); metrics still go to {self.path}")
+            else:
+                self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
     def write(self, step: int, record: Mapping[str, Any], split: str = "train") -> None:
         flat = {"step": int(step), "split": split, **flatten(record)}
