@@ -337,7 +337,10 @@ class StageConfig:
     seq_len + 1 tokens long, the rest rows of the packed stream (hybridmoe/data/pipeline.py).
     `retrieval_share` of each batch's rows are synthetic retrieval rows (hybridmoe/data/retrieval.py):
     the long-context evaluator's needles and query (one of `retrieval_tasks`, at a random depth)
-    in a haystack of train-split documents, followed by the answer, so the LM loss teaches copying.
+    in a haystack of train-split documents, followed by the answer, so the LM loss teaches copying;
+    the answer's targets weigh `retrieval_answer_weight` in the loss (a few targets among a row's
+    seq_len otherwise carry almost none of it; the training loss is then a weighted mean, the
+    validation loss stays plain text).
     long_doc_share + retrieval_share is at most 1; the rest are rows of the packed stream.
     `eval_lengths` are the context lengths the long-context evaluator scores after this stage.
     `advance_if="plateau"` ends the stage before `steps` once `patience` validations in a row
@@ -351,6 +354,7 @@ class StageConfig:
     long_doc_share: float = 0.0
     retrieval_share: float = 0.0
     retrieval_tasks: tuple[str, ...] = RETRIEVAL_TASKS
+    retrieval_answer_weight: float = 1.0
     eval_lengths: tuple[int, ...] = ()
     advance_if: str = "never"  # or "plateau"
     patience: int = 3  # plateau: validations without progress before the stage ends
@@ -372,6 +376,8 @@ class StageConfig:
             _fail(name, "retrieval_share", self.retrieval_share,
                   f"at most 1 - long_doc_share = {1.0 - self.long_doc_share:g} (the two shares "
                   f"split one batch)")
+        _check_range(name, "retrieval_answer_weight", self.retrieval_answer_weight, 0.0, 1e6,
+                     lo_open=True)
         object.__setattr__(self, "retrieval_tasks", tuple(self.retrieval_tasks))
         if not self.retrieval_tasks or len(set(self.retrieval_tasks)) != len(self.retrieval_tasks):
             _fail(name, "retrieval_tasks", self.retrieval_tasks, "a non-empty tuple without repeats")

@@ -102,7 +102,8 @@ def train_row_starts(config: DataConfig, corpus: Corpus, *, long_doc_share: floa
 
 
 def _pack_mixed(corpus: Corpus, items: np.ndarray, *, config: DataConfig,
-                retrieval_tasks: tuple[str, ...]) -> dict[str, np.ndarray]:
+                retrieval_tasks: tuple[str, ...], answer_weight: float = 1.0
+                ) -> dict[str, np.ndarray]:
     """A batch of train_row_starts items: stream windows, and retrieval rows in their slots."""
     items = np.asarray(items, np.int64)
     is_retrieval = items <= RETRIEVAL_MARK
@@ -110,7 +111,7 @@ def _pack_mixed(corpus: Corpus, items: np.ndarray, *, config: DataConfig,
     if is_retrieval.any():
         synthetic = pack_retrieval_rows(train_haystack(config), retrieval_tasks,
                                         RETRIEVAL_MARK - items[is_retrieval], config.seq_len,
-                                        config.seed)
+                                        config.seed, answer_weight)
         for key, value in synthetic.items():
             batch[key][is_retrieval] = value
     return batch
@@ -118,9 +119,12 @@ def _pack_mixed(corpus: Corpus, items: np.ndarray, *, config: DataConfig,
 
 def train_dataset(config: DataConfig, *, long_doc_share: float = 0.0,
                   retrieval_share: float = 0.0, retrieval_tasks=RETRIEVAL_TASKS,
-                  shard_index: int = 0, shard_count: int = 1) -> grain.MapDataset:
+                  retrieval_answer_weight: float = 1.0, shard_index: int = 0,
+                  shard_count: int = 1) -> grain.MapDataset:
     """Infinite MapDataset of train batches packed from `train_row_starts`; a batch may straddle
-    two epochs."""
+    two epochs. The answer targets of retrieval rows weigh `retrieval_answer_weight` in loss_mask."""
+    if not retrieval_answer_weight > 0.0:
+        raise ValueError(f"retrieval_answer_weight must be positive, got {retrieval_answer_weight!r}")
     corpus = load_corpus(config, "train")
     ds = train_row_starts(config, corpus, long_doc_share=long_doc_share,
                           retrieval_share=retrieval_share, shard_index=shard_index,
@@ -128,13 +132,15 @@ def train_dataset(config: DataConfig, *, long_doc_share: float = 0.0,
     ds = ds.batch(config.batch_size, drop_remainder=True)
     if retrieval_share > 0.0:
         return ds.map(functools.partial(_pack_mixed, corpus, config=config,
-                                        retrieval_tasks=check_tasks(retrieval_tasks)))
+                                        retrieval_tasks=check_tasks(retrieval_tasks),
+                                        answer_weight=float(retrieval_answer_weight)))
     return ds.map(functools.partial(pack_windows, corpus, seq_len=config.seq_len))
 
 
 def make_train_iterator(config: DataConfig, *, long_doc_share: float = 0.0,
                         retrieval_share: float = 0.0, retrieval_tasks=RETRIEVAL_TASKS,
-                        shard_index: int = 0, shard_count: int = 1) -> grain.DatasetIterator:
+                        retrieval_answer_weight: float = 1.0, shard_index: int = 0,
+                        shard_count: int = 1) -> grain.DatasetIterator:
     """Iterator over train batches; `get_state()` / `set_state()` save and restore its position.
 
     The state is a small JSON-able dict (the next batch index): store it with the checkpoint
@@ -142,7 +148,8 @@ def make_train_iterator(config: DataConfig, *, long_doc_share: float = 0.0,
     function of (DataConfig.seed, row number), so they resume with it.
     """
     ds = train_dataset(config, long_doc_share=long_doc_share, retrieval_share=retrieval_share,
-                       retrieval_tasks=retrieval_tasks, shard_index=shard_index,
+                       retrieval_tasks=retrieval_tasks,
+                       retrieval_answer_weight=retrieval_answer_weight, shard_index=shard_index,
                        shard_count=shard_count)
     return iter(ds.to_iter_dataset(READ_OPTIONS))
 

@@ -8,7 +8,9 @@ the next-token loss on the answer teaches copying the value the query asks for:
   BOS  train-split code ... MAGIC_KEY = 1234567 ... code  \\nassert MAGIC_KEY == 1234567\\n
 
 The task (one of StageConfig.retrieval_tasks) and the needle's depth (uniform in [0, 1]) are
-drawn per row. Every target of the row carries loss (haystack, needles, query and answer alike).
+drawn per row. Every target of the row carries loss (haystack, needles, query and answer alike);
+the answer's targets weigh `answer_weight` (StageConfig.retrieval_answer_weight, default 1) in
+the loss mask, so that the few copying targets are not drowned by the row's language modelling.
 
 No evaluation example can be trained on:
   * the haystack is the TRAIN split (the evaluator's is validation; a document goes to one split
@@ -63,25 +65,38 @@ def retrieval_example(haystack, tasks: Sequence[str], seq_len: int, seed: int, i
     return ex
 
 
-def retrieval_row(haystack, tasks: Sequence[str], seq_len: int, seed: int, index: int
-                  ) -> np.ndarray:
-    """[seq_len + 1] int32: BOS, haystack with needles, query, answer, newline (PAD-padded or cut
-    if the answer's length could not be settled)."""
+def _row_and_answer(haystack, tasks: Sequence[str], seq_len: int, seed: int, index: int
+                    ) -> tuple[np.ndarray, slice]:
+    """retrieval_row's row and the slice of its TARGETS (row[1:]) that are the answer."""
     ex = retrieval_example(haystack, tasks, seq_len, seed, index)
     row = np.concatenate([ex.prompt, ex.answer, haystack.tokenizer.encode("\n").astype(np.int32)])
     out = np.full(seq_len + 1, haystack.tokenizer.pad_id, np.int32)
     out[:min(len(row), seq_len + 1)] = row[:seq_len + 1]
-    return out
+    # Row position len(prompt) + j (answer token j) is target position len(prompt) - 1 + j.
+    start = len(ex.prompt) - 1
+    return out, slice(min(start, seq_len), min(start + len(ex.answer), seq_len))
+
+
+def retrieval_row(haystack, tasks: Sequence[str], seq_len: int, seed: int, index: int
+                  ) -> np.ndarray:
+    """[seq_len + 1] int32: BOS, haystack with needles, query, answer, newline (PAD-padded or cut
+    if the answer's length could not be settled)."""
+    return _row_and_answer(haystack, tasks, seq_len, seed, index)[0]
 
 
 def pack_retrieval_rows(haystack, tasks: Sequence[str], indices: np.ndarray, seq_len: int,
-                        seed: int) -> dict[str, np.ndarray]:
-    """Batch dict of [B, seq_len] (as packing.pack_windows) of retrieval rows `indices`."""
-    rows = np.stack([retrieval_row(haystack, tasks, seq_len, seed, int(i)) for i in indices])
+                        seed: int, answer_weight: float = 1.0) -> dict[str, np.ndarray]:
+    """Batch dict of [B, seq_len] (as packing.pack_windows) of retrieval rows `indices`; the
+    answer's targets weigh `answer_weight` in loss_mask, every other real target 1."""
+    made = [_row_and_answer(haystack, tasks, seq_len, seed, int(i)) for i in indices]
+    rows = np.stack([r for r, _ in made])
     seg = (rows != haystack.tokenizer.pad_id).astype(np.int32)
     seg_in, seg_out = seg[:, :-1], seg[:, 1:]
+    mask = ((seg_in == seg_out) & (seg_out > 0)).astype(np.float32)
+    for b, (_, answer) in enumerate(made):
+        mask[b, answer] *= answer_weight
     return {"tokens": rows[:, :-1], "targets": rows[:, 1:], "segment_ids": seg_in,
-            "loss_mask": ((seg_in == seg_out) & (seg_out > 0)).astype(np.float32)}
+            "loss_mask": mask}
 
 
 def check_tasks(tasks: Sequence[str]) -> tuple[str, ...]:

@@ -178,7 +178,9 @@ def _enter_stage(config: ExperimentConfig, stage: stages_lib.Stage,
     train_iter = data_lib.make_train_iterator(
         stage.data, long_doc_share=stage.config.long_doc_share,
         retrieval_share=stage.config.retrieval_share,
-        retrieval_tasks=stage.config.retrieval_tasks, shard_index=rank, shard_count=procs)
+        retrieval_tasks=stage.config.retrieval_tasks,
+        retrieval_answer_weight=stage.config.retrieval_answer_weight, shard_index=rank,
+        shard_count=procs)
     if iterator_state is not None:
         train_iter.set_state(iterator_state)
     eval_batches = [_global_batch(b, shardings.batch) for b in data_lib.make_eval_batches(

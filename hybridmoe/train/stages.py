@@ -94,6 +94,7 @@ def stage_summary(stage: Stage, position: Position, step: int, validation: dict[
         "stage": stage.index, "seq_len": stage.seq_len, "batch_size": stage.data.batch_size,
         "tokens_per_step": stage.tokens_per_step, "long_doc_share": stage.config.long_doc_share,
         "retrieval_share": stage.config.retrieval_share,
+        "retrieval_answer_weight": stage.config.retrieval_answer_weight,
         "eval_lengths": list(stage.config.eval_lengths), "start_step": position.start_step,
         "steps": step - position.start_step, "planned_steps": stage.config.steps,
         "ended_by": ended_by, "validation_loss": validation["loss"],

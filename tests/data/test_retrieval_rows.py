@@ -62,6 +62,30 @@ def test_batches_hold_answerable_retrieval_rows_with_loss_on_the_answer():
         assert np.all(batch["loss_mask"][i] == 1) and np.all(batch["segment_ids"][i] == 1)
 
 
+def test_answer_weight_lands_on_the_answer_targets_only():
+    plain = next(data_lib.make_train_iterator(CONFIG, retrieval_share=0.5, retrieval_tasks=NIAH))
+    weighted = next(data_lib.make_train_iterator(CONFIG, retrieval_share=0.5, retrieval_tasks=NIAH,
+                                                 retrieval_answer_weight=8.0))
+    for key in ("tokens", "targets", "segment_ids"):
+        np.testing.assert_array_equal(plain[key], weighted[key])
+    for i in range(8):
+        heavy = np.flatnonzero(weighted["loss_mask"][i] != plain["loss_mask"][i])
+        if i % 2 == 0:  # stream rows: untouched
+            assert heavy.size == 0
+            continue
+        row = text(np.append(plain["tokens"][i], plain["targets"][i, -1]))
+        value = re.search(r"\nassert MAGIC_[A-Z]{6} == (\d{7})\n$", row).group(1)
+        # The weighted targets are the answer's 7 digits, each predicted from the token before
+        # it (the query's last space, then the digits), as the evaluator scores them.
+        assert text(weighted["targets"][i, heavy]) == value
+        assert text(weighted["tokens"][i, heavy[:1]]) == " "
+        np.testing.assert_array_equal(heavy, np.arange(heavy[0], heavy[0] + 7))
+        np.testing.assert_array_equal(weighted["loss_mask"][i, heavy], 8.0)
+        assert heavy[-1] == CONFIG.seq_len - 2  # the newline after it is the row's last target
+    with pytest.raises(ValueError, match="retrieval_answer_weight must be positive"):
+        data_lib.make_train_iterator(CONFIG, retrieval_share=0.5, retrieval_answer_weight=0.0)
+
+
 def test_rows_are_deterministic_seeded_and_resume_bitwise():
     make = lambda cfg: data_lib.make_train_iterator(cfg, retrieval_share=0.5, retrieval_tasks=NIAH)
     a, b = take(make(CONFIG), 3), take(make(CONFIG), 3)

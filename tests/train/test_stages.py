@@ -189,6 +189,8 @@ def test_batch_adapts_to_keep_tokens_per_step():
     ({"retrieval_tasks": ("niah_single", "needle")},
      "StageConfig.retrieval_tasks must be one of 'niah_single', .*got 'needle'"),
     ({"retrieval_tasks": ()}, "StageConfig.retrieval_tasks must be a non-empty tuple"),
+    ({"retrieval_answer_weight": 0.0},
+     r"StageConfig.retrieval_answer_weight must be in \(0.0, 1000000.0\], got 0.0"),
     ({"eval_lengths": (512, 0)}, "StageConfig.eval_lengths must be a tuple of positive integers"),
     ({"advance_if": "loss"}, "StageConfig.advance_if must be one of 'never', 'plateau'"),
     ({"patience": 0}, "StageConfig.patience must be a positive integer, got 0"),
@@ -223,6 +225,7 @@ def test_stage_configs_parse():
     for s in ramp:
         assert s.config.retrieval_share == control.config.retrieval_share > 0
         assert s.config.retrieval_tasks == control.config.retrieval_tasks
+        assert s.config.retrieval_answer_weight == control.config.retrieval_answer_weight
     k3 = plan_stages(load_config(["configs/stages/k3_1m.gin"]), 1)
     assert [s.seq_len for s in k3] == [8192, 65536, 262144, 1048576]
     assert {s.tokens_per_step for s in k3} == {2 ** 26}
