@@ -48,6 +48,9 @@ flags.DEFINE_string("keep_dir", "", "Keep each kernel's TTIR, TTGIR, LLVM IR, PT
 flags.DEFINE_string("ptxas", "", "ptxas binary (empty: the one Triton uses: $TRITON_PTXAS_PATH, else its bundled one).")
 flags.DEFINE_integer("compile_timeout", 600, "Seconds one kernel's compile (Triton + ptxas) may take.")
 flags.DEFINE_string("compile_worker", "", "Internal: compile the kernel of this job file, write JOB.out and exit.")
+flags.DEFINE_string("triton_python", "", "Python interpreter that has `triton` (and numpy, absl) for the compile "
+                    "children, when this one cannot import it (the wheels are per Python version); empty: this one "
+                    "with PYTHONPATH=TRITON_SITE. Needs --ptxas.")
 
 CAPABILITY = 90  # H100 / H200
 GPU_ARCH = "sm_90a"
@@ -211,7 +214,8 @@ def compile_kernel(kernel, directory, ptxas, env):
     with open(job_path, "w") as f:
         json.dump(dict(ttir=prefix + ".ttir", num_warps=kernel.num_warps, num_stages=kernel.num_stages,
                        ptxas=ptxas, prefix=prefix), f)
-    command = [sys.executable, "-m", "experiments.triton_stats", f"--compile_worker={job_path}"]
+    command = [FLAGS.triton_python or sys.executable, "-m", "experiments.triton_stats",
+               f"--compile_worker={job_path}"]
     start = time.perf_counter()
     # Its own process group, so that a timeout also ends the ptxas it may be running.
     child = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -314,10 +318,20 @@ def main(argv):
     except ValueError as err:
         raise app.UsageError(f"--tuning={FLAGS.tuning!r}: {err}") from None
 
-    triton = import_triton()
+    if FLAGS.triton_python:
+        if not FLAGS.ptxas:
+            raise app.UsageError("--triton_python needs --ptxas (e.g. triton/backends/nvidia/bin/ptxas of that Python)")
+        found = subprocess.run([FLAGS.triton_python, "-c", "import os, triton; print(triton.__version__, "
+                                "os.path.dirname(triton.__file__))"], capture_output=True, text=True)
+        if found.returncode:
+            raise app.UsageError(f"--triton_python={FLAGS.triton_python} cannot import triton:\n{found.stderr}")
+        triton_version, triton_dir = found.stdout.split()
+    else:
+        triton = import_triton()
+        triton_version, triton_dir = triton.__version__, os.path.dirname(triton.__file__)
     ptxas, ptxas_version = resolve_ptxas()
     import jax
-    print(f"jax {jax.__version__}; triton {triton.__version__} ({os.path.dirname(triton.__file__)}); "
+    print(f"jax {jax.__version__}; triton {triton_version} ({triton_dir}); "
           f"ptxas {ptxas} ({ptxas_version}); target {GPU_ARCH}", flush=True)
     print(f"shape {FLAGS.shape} (BxTxHxD), chunk {FLAGS.chunk_size}, {tuning}", flush=True)
 

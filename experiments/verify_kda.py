@@ -19,6 +19,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "Also write the report to this file.")
 flags.DEFINE_integer("dim", 128, "K = V.")
 flags.DEFINE_string("backend", "pallas", "chunk_kda backend under test ('interpret' runs the same kernels on a CPU).")
+flags.DEFINE_string("tuning", "base", "Launch tuning of the GPU kernels (backend pallas or interpret), as bench_kda's "
+                    "--tuning: 'base' or 'field=value,...' of pallas_fwd.Tuning.")
 
 G_MIN = -5.0
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate0")
@@ -102,8 +104,27 @@ def check_causality(bounded, seed, cut=400):
     return bool(np.array_equal(o_of(x), o_of(mixed)))
 
 
+def tuned_backend(backend, text):
+    """The backend under test: `backend` itself, or (a tuning other than the defaults) the GPU kernels with it,
+    registered under a new name."""
+    if text.strip() in ("", "base"):
+        return backend
+    if backend not in ("pallas", "interpret"):
+        raise ValueError(f"--tuning applies to backend pallas or interpret, got --backend={backend!r}")
+    import functools
+
+    from pallas_kernels.kda import api
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    from pallas_kernels.kda.pallas_op import kda_pallas
+    kernel = functools.partial(kda_pallas, interpret=backend == "interpret", tuning=Tuning.from_string(text))
+    name = f"{backend}[{text}]"
+    api.BACKENDS[name] = api._whole_chunks(jax.jit(kernel, static_argnames=api._KERNEL_STATIC))
+    return name
+
+
 def main(argv):
     del argv
+    FLAGS.backend = tuned_backend(FLAGS.backend, FLAGS.tuning)
     device = jax.devices()[0].device_kind
     lines = [f"chunk_kda(backend={FLAGS.backend!r}) vs the token-by-token fp32 reference on {device}, "
              f"jax {jax.__version__}, K = V = {FLAGS.dim}, B = 1, T = 1000 (padded to 1024 inside), H = 2, HV = 4 "

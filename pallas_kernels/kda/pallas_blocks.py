@@ -53,8 +53,31 @@ def cumsum_rows(x):
                            preferred_element_type=_F32)
 
 
+# matmul_precision values for 16-bit inputs: both operands rounded to bf16 with fp32 accumulation (the tensor
+# cores' bf16 rate and half the operand registers of TF32) in every product (BF16_OPERANDS), or only in the decayed
+# score products and their gradients (BF16_SCORES: inside score_products(); TF32 elsewhere).
+BF16_OPERANDS = "bf16_operands"
+BF16_SCORES = "bf16_scores"
+_IN_SCORES = contextvars.ContextVar("kda_in_score_products", default=False)
+
+
+@contextlib.contextmanager
+def score_products():
+    """Marks the decayed-score products ((q, k) tiles times decay factors <= 1, and their gradients)."""
+    token = _IN_SCORES.set(True)
+    try:
+        yield
+    finally:
+        _IN_SCORES.reset(token)
+
+
 def _dot(a, b, dims):
-    return lax.dot_general(a, b, (dims, ((), ())), precision=_PRECISION.get(), preferred_element_type=_F32)
+    precision = _PRECISION.get()
+    if precision in (BF16_OPERANDS, BF16_SCORES):
+        if precision == BF16_OPERANDS or _IN_SCORES.get():
+            a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        precision = None
+    return lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=_F32)
 
 
 def mm(a, b):

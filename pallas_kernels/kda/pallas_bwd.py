@@ -12,8 +12,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
-from pallas_kernels.kda.pallas_fwd import (chunk_tile, chunk_vector, compiler_params, input_specs, operand_cast,
-                                           ref_chunk, scan_load, sequence_specs, with_precision)
+from pallas_kernels.kda.pallas_fwd import (chunk_tile, chunk_vector, compiler_params, input_specs, intra_precision,
+                                           operand_cast, ref_chunk, scan_load, sequence_specs, with_precision)
 
 _F32 = jnp.float32
 
@@ -181,6 +181,7 @@ def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tun
     beta_spec = pl.BlockSpec((None, chunk, None), lambda n, h: (n, 0, h))
     specs = input_specs(chunk, key_dim, value_dim, value_heads // heads)
     tile = tuning.intra_tile
+    precision = intra_precision(tuning, precision, k.dtype)
     if tile and key_dim % tile == 0 and value_dim % tile == 0:
         score_kernel = functools.partial(_tiled_score_grad_kernel, precision=precision, tile=tile)
     else:
@@ -219,7 +220,8 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
     doc_spec = pl.BlockSpec((None, chunk), lambda n, h, j: (n, 0))
     dd_spec = pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))
     dq, dk, dg = pl.pallas_call(
-        functools.partial(_input_grad_kernel, scale=scale, dense=dense, precision=precision),
+        functools.partial(_input_grad_kernel, scale=scale, dense=dense,
+                          precision=intra_precision(tuning, precision, q.dtype)),
         grid=(chunks, value_heads, key_dim // kt),
         in_specs=[qk, qk, head_k, rows, doc_spec, doc_spec, scores, scores, tile_k, tile_k, tile_k, dd_spec],
         out_specs=[head_k] * 3,

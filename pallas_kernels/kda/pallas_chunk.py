@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.kda.pallas_blocks import (ROWS, cumsum_rows, mm, mm_nt, mm_tn, nilpotent_inverse,
-                                              pairwise_columns, pairwise_grads, row)
+                                              pairwise_columns, pairwise_grads, row, score_products)
 
 _F32 = jnp.float32
 
@@ -120,11 +120,12 @@ def partial_scores(x: ChunkIn, dec: Decay, *, dense, with_diagonal=True):
     size = x.q.shape[0]
     qt, kt = x.q * dec.row_factor, x.k * dec.row_factor
     aqk = akk = jnp.zeros((size, size), _F32)
-    for i, col_factor in column_blocks(dec, dense=dense):
-        kc = x.k * col_factor
-        on_block = dec.row_block == i
-        aqk = aqk + jnp.where(on_block, mm_nt(qt, kc), 0.0)
-        akk = akk + jnp.where(on_block, mm_nt(kt, kc), 0.0)
+    with score_products():
+        for i, col_factor in column_blocks(dec, dense=dense):
+            kc = x.k * col_factor
+            on_block = dec.row_block == i
+            aqk = aqk + jnp.where(on_block, mm_nt(qt, kc), 0.0)
+            akk = akk + jnp.where(on_block, mm_nt(kt, kc), 0.0)
     if not dense and with_diagonal:
         for b in range(size // ROWS):
             q_b, k_b, g_b = x.blocks(b)
@@ -269,14 +270,16 @@ def backward_inputs(x: ChunkIn, core: Gates, daqk, dakk, dkb, dqp, dkd, dd, diag
     # Column side first, then row side: two accumulators live at a time rather than three.
     qt, kt = x.q * dec.row_factor, x.k * dec.row_factor
     dyk = jnp.zeros_like(x.q)
-    for i, col_factor in column_blocks(dec, dense=dense):
-        on_block = dec.row_block == i
-        dyk = dyk + (mm_tn(jnp.where(on_block, daqk, 0.0), qt) + mm_tn(jnp.where(on_block, dakk, 0.0), kt)) * col_factor
-    dqt = dkt = jnp.zeros_like(x.q)
-    for i, col_factor in column_blocks(dec, dense=dense):
-        on_block = dec.row_block == i
-        kc = x.k * col_factor
-        dqt, dkt = dqt + mm(jnp.where(on_block, daqk, 0.0), kc), dkt + mm(jnp.where(on_block, dakk, 0.0), kc)
+    with score_products():
+        for i, col_factor in column_blocks(dec, dense=dense):
+            on_block = dec.row_block == i
+            dyk = dyk + (mm_tn(jnp.where(on_block, daqk, 0.0), qt)
+                         + mm_tn(jnp.where(on_block, dakk, 0.0), kt)) * col_factor
+        dqt = dkt = jnp.zeros_like(x.q)
+        for i, col_factor in column_blocks(dec, dense=dense):
+            on_block = dec.row_block == i
+            kc = x.k * col_factor
+            dqt, dkt = dqt + mm(jnp.where(on_block, daqk, 0.0), kc), dkt + mm(jnp.where(on_block, dakk, 0.0), kc)
     dxq, dxk = dqt * dec.row_factor, dkt * dec.row_factor
     if not dense:
         for b in range(size // ROWS):

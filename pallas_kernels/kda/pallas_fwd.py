@@ -54,6 +54,10 @@ class Tuning:
     # Multiply in the scans with the state (and v_new, dS) rounded to the stored intermediates' dtype (bf16 for bf16
     # inputs), accumulating in fp32; the state itself stays fp32. False: TF32 products of fp32 operands.
     scan_low_precision: bool = True
+    # Matmul operands of the per-chunk kernels (forward, score and input backward) for 16-bit inputs: "tf32" (fp32
+    # tiles), "bf16_scores" (bf16 in the decayed-score products and their gradients only) or "bf16" (every product;
+    # the one-hot block moves stay exact). fp32 accumulation throughout. Errors: benchmarks/notes_kda.md. Not timed.
+    intra_operands: str = "tf32"
 
     @classmethod
     def from_string(cls, text):
@@ -70,6 +74,19 @@ class Tuning:
             default = getattr(tuning, name)
             changes[name] = bool(int(value)) if isinstance(default, bool) else type(default)(value)
         return dataclasses.replace(tuning, **changes)
+
+
+INTRA_OPERANDS = {"tf32": None, "bf16_scores": blk.BF16_SCORES, "bf16": blk.BF16_OPERANDS}
+
+
+def intra_precision(tuning, precision, dtype):
+    """The matmul precision of the per-chunk kernels: Tuning.intra_operands for 16-bit inputs, else `precision`."""
+    if tuning.intra_operands not in INTRA_OPERANDS:
+        raise ValueError(f"Tuning.intra_operands must be one of {sorted(INTRA_OPERANDS)}, got "
+                         f"{tuning.intra_operands!r}")
+    if dtype in (jnp.bfloat16, jnp.float16):
+        return INTRA_OPERANDS[tuning.intra_operands] or precision
+    return precision
 
 
 def compiler_params(warps, stages=None):
@@ -219,6 +236,7 @@ def _value_output_kernel(v_ref, beta_ref, aqk_ref, t_ref, u_ref, ol_ref):
 def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype,
                          save_scores):
     """intra_forward as three kernels: scores and solve per chunk, then outputs per (chunk, channel tile)."""
+    precision = intra_precision(tuning, precision, q.dtype)
     chunks, chunk, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
     group = value_heads // heads
@@ -300,6 +318,7 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
         return _split_intra_forward(q, k, v, g, beta, doc, doc_prev, scale=scale, dense=dense, tuning=tuning,
                                     interpret=interpret, precision=precision, store_dtype=store_dtype,
                                     save_scores=save_scores)
+    precision = intra_precision(tuning, precision, q.dtype)
     if tiled:
         kernel = functools.partial(_tiled_intra_kernel, scale=scale, dense=dense, precision=precision, tile=tile)
     else:

@@ -179,3 +179,19 @@ def test_channel_tiled_kernels_match_reference(monkeypatch, gate, g_min, split):
     _compare(x, g_min, 16, _segments(1, 45), tol=1e-5)
     # the channel-tiled kernels ran, not the whole-tile ones
     assert set(traced) == {(forward, 8), ("_tiled_score_grad_kernel", 8)}
+
+
+@pytest.mark.parametrize("operands", ["bf16_scores", "bf16"])
+@pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
+def test_bf16_operands_in_the_per_chunk_kernels_meet_the_bf16_bars(monkeypatch, operands, gate, g_min):
+    # Tuning(intra_operands=operands): per-chunk matmuls on bf16 operands (fp32 accumulation) for bf16 inputs.
+    import functools
+
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    low = functools.partial(kda_pallas, interpret=True, tuning=Tuning(intra_operands=operands))
+    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(
+        jax.jit(low, static_argnames=api._KERNEL_STATIC)))
+    x = random_inputs(7, batch=1, seq_len=200, heads=1, value_heads=2, key_dim=32, value_dim=32, gate=gate,
+                      g_min=-5.0, dtype=jnp.bfloat16)
+    tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
+    _compare(x, g_min, 64, _segments(1, 200), tol=tol)
