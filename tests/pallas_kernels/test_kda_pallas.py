@@ -103,7 +103,7 @@ def test_chunk_size_below_one_block_is_rejected():
 
 @pytest.mark.slow
 @KERNELS
-@pytest.mark.parametrize("seq_len", [63, 64, 500])
+@pytest.mark.parametrize("seq_len", [63, 64, 500, 1000, 8192])
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
 def test_interpret_chunk64_bf16(backend, seq_len, gate, g_min):
     # The GPU configuration (64-token chunks, four 16-row blocks) with bf16 inputs, against the DESIGN 5 bars.
