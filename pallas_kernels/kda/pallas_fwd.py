@@ -93,17 +93,23 @@ def compiler_params(warps, stages=None):
     return pl_triton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale):
-    """A ChunkIn of a kernel's [C, D] input tiles (v_ref may be None)."""
+def ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, doc_row_ref=None):
+    """A ChunkIn of a kernel's [C, D] input tiles (v_ref may be None).
+
+    Vector layout: beta and doc [C], prev_ref [C] (the incoming document is its first entry); or, with doc_row_ref
+    (the Mosaic TPU kernels: no rank-1 values), beta and doc [C, 1], doc_row_ref [1, C], prev_ref [1, 1]."""
     size = q_ref.shape[0]
     load = lambda ref: ref[...].astype(_F32)  # noqa: E731
     block = lambda ref, b: ref[pl.ds(b * ROWS, ROWS), :].astype(_F32)  # noqa: E731
     doc = doc_ref[...]
-    return ChunkIn(
-        q=load(q_ref) * scale, k=load(k_ref), v=None if v_ref is None else load(v_ref), g=load(g_ref),
-        beta=load(beta_ref)[:, None], doc=doc, doc_in=blk.element(prev_ref[...], 0),
-        doc_last=blk.element(doc, size - 1),
-        blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b), block(g_ref, b)))
+    if doc_row_ref is None:
+        vectors = dict(beta=load(beta_ref)[:, None], doc_in=blk.element(prev_ref[...], 0),
+                       doc_last=blk.element(doc, size - 1))
+    else:
+        vectors = dict(beta=load(beta_ref), doc_in=prev_ref[...], doc_last=blk.row(doc, size - 1)[None, :],
+                       doc_row=doc_row_ref[...])
+    return ChunkIn(q=load(q_ref) * scale, k=load(k_ref), v=None if v_ref is None else load(v_ref), g=load(g_ref),
+                   doc=doc, blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b), block(g_ref, b)), **vectors)
 
 
 def operand_cast(low):

@@ -27,8 +27,9 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.layout import document_index
 from pallas_kernels.kda.pallas_blocks import ROWS
-from pallas_kernels.kda.pallas_chunk import (ChunkIn, backward_inputs, backward_scores, chunk_core, chunk_forward,
-                                            chunk_gates, k_base)
+from pallas_kernels.kda.pallas_chunk import (backward_inputs, backward_scores, chunk_core, chunk_forward, chunk_gates,
+                                            k_base)
+from pallas_kernels.kda.pallas_fwd import ref_chunk
 
 _F32 = jnp.float32
 _PARALLEL = ("parallel", "parallel", "parallel")
@@ -83,14 +84,7 @@ def _head_state(key_dim, value_dim):
 
 def _chunk_in(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, doc_row_ref, doc_in_ref, *, scale):
     """A ChunkIn of a kernel's whole tiles (v_ref may be None), in the [C, 1] / [1, C] / [1, 1] document layout."""
-    size = q_ref.shape[0]
-    load = lambda ref: ref[...].astype(_F32)  # noqa: E731
-    block = lambda ref, b: ref[pl.ds(b * ROWS, ROWS), :].astype(_F32)  # noqa: E731
-    doc = doc_ref[...]
-    return ChunkIn(
-        q=load(q_ref) * scale, k=load(k_ref), v=None if v_ref is None else load(v_ref), g=load(g_ref),
-        beta=load(beta_ref), doc=doc, doc_in=doc_in_ref[...], doc_last=blk.row(doc, size - 1)[None, :],
-        blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b), block(g_ref, b)), doc_row=doc_row_ref[...])
+    return ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, doc_in_ref, scale=scale, doc_row_ref=doc_row_ref)
 
 
 @_body
