@@ -3,8 +3,11 @@ flash-linear-attention (fla) side by side, each verified against the token-by-to
 
   python -m experiments.bench_kda --out_dir=benchmarks/results
 
-JAX variants run first in this process; fla (PyTorch) runs afterwards in a child process so the two frameworks never
-hold the GPU at once. Rows go to kda_h200.json and a markdown table to kda_h200.md.
+fla (PyTorch) runs in a child process so the two frameworks never compute at once: after the JAX variants, or
+first with --fla_first (its Triton autotuning takes minutes on a fresh machine; first, it cannot be starved by the
+JAX rows). Run the parent with XLA_PYTHON_CLIENT_PREALLOCATE=false so that the child has the GPU's memory. The
+Pallas variants run once per entry of --tunings. Rows go to kda_h200.json and a markdown table to kda_h200.md,
+rewritten after every row, so a run stopped by --deadline_s or a time limit keeps what it measured.
 """
 
 import dataclasses
@@ -31,6 +34,10 @@ flags.DEFINE_bool("verify", True, "Check each JAX variant against the reference 
 flags.DEFINE_integer("verify_len", 1024, "Sequence length of the check against the token-by-token reference.")
 flags.DEFINE_string("tuning", "base", "Launch tuning of the Pallas variants: 'base' (the defaults of "
                     "pallas_fwd.Tuning) or 'field=value,...' changes to them.")
+flags.DEFINE_string("tunings", "", "Several launch tunings separated by ';' (each as --tuning): every Pallas "
+                    "variant is timed with each. Overrides --tuning when set.")
+flags.DEFINE_bool("fla_first", False, "Run the fla child before the JAX variants.")
+flags.DEFINE_float("deadline_s", 0.0, "Start no new JAX measurement after this many seconds (0: no deadline).")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_h200.json / .md are written.")
 flags.DEFINE_string("fla_worker", "", "Internal: run the fla timings for this job file and exit.")
 flags.DEFINE_integer("fla_timeout", 400, "Seconds the fla child may take; the JAX rows are written before it starts.")
@@ -60,7 +67,10 @@ def floor_ms(batch, seq_len, heads, dim):
     return batch * seq_len * heads * (3 * 2 * dim + 4 * dim + 2 * dim) / BANDWIDTH * 1e3
 
 
-def _median_ms(fn, inputs, repeats):
+def _median_ms(fn, inputs, repeats, calls_per_sample=4):
+    """Median ms per call over `repeats` samples; a sample is `calls_per_sample` calls dispatched back to back on
+    rotating input sets with one synchronisation at the end, so the device never waits on the host between calls
+    and the host-device round trip is paid once per sample, not per call."""
     import jax
     start = time.perf_counter()
     jax.block_until_ready(fn(*inputs[0]))
@@ -69,10 +79,11 @@ def _median_ms(fn, inputs, repeats):
         jax.block_until_ready(fn(*args))
     times = []
     for i in range(repeats):
-        args = inputs[i % len(inputs)]
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
+        for j in range(calls_per_sample):
+            out = fn(*inputs[(i * calls_per_sample + j) % len(inputs)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) * 1e3 / calls_per_sample)
     return statistics.median(times)
 
 
@@ -88,7 +99,8 @@ def _jax_fns(backend, bounded, tuning):
             run_tuning = dataclasses.replace(tuning, separate_output=backend == "pallas-split")
             diagonal = api.kda_diagonal_path(g_min, 64)
             s0 = jnp.zeros((q.shape[0], v.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-            run = api._whole_chunks(lambda *a, **kw: kda_pallas(*a, **kw, tuning=run_tuning))
+            interpret = jax.default_backend() == "cpu"  # a CPU dry run of the script: interpret mode
+            run = api._whole_chunks(lambda *a, **kw: kda_pallas(*a, **kw, tuning=run_tuning, interpret=interpret))
             return run(q, k, v, g, beta, s0, None, scale=q.shape[-1] ** -0.5, chunk_size=64, diagonal=diagonal)
         return api.chunk_kda(q, k, v, g, beta, g_min=g_min, backend=backend, output_final_state=True)
 
@@ -144,17 +156,17 @@ def _verify_jax(backend, bounded, tuning, heads, dim):
 _VERIFIED = {}
 
 
-def bench_jax(shape, variant, tuning):
+def bench_jax(shape, variant, tuning, tuning_name="base"):
     import jax
     backend, gate = variant.split("_")
     bounded = gate == "bounded"
     batch, seq_len, heads, dim = shape
     if not FLAGS.verify:
         ratio, errs = float("nan"), {}
-    elif (variant, heads, dim) in _VERIFIED:  # the check depends on the heads and width, not on B or T
-        ratio, errs = _VERIFIED[variant, heads, dim]
+    elif (variant, tuning_name, heads, dim) in _VERIFIED:  # the check depends on the heads and width, not B or T
+        ratio, errs = _VERIFIED[variant, tuning_name, heads, dim]
     else:
-        ratio, errs = _VERIFIED[variant, heads, dim] = _verify_jax(backend, bounded, tuning, heads, dim)
+        ratio, errs = _VERIFIED[variant, tuning_name, heads, dim] = _verify_jax(backend, bounded, tuning, heads, dim)
     print(f"  verify {variant} T={FLAGS.verify_len}: max err/bar {ratio:.3f} {errs}", flush=True)
     fwd, grads, _ = _jax_fns(backend, bounded, tuning)
     sets = [_device_inputs(numpy_inputs(s, batch, seq_len, heads, dim, bounded), s) for s in range(3)]
@@ -173,13 +185,20 @@ def run_fla_child(jobs):
         json.dump(jobs, f)
     cmd = [sys.executable, "-m", "experiments.bench_kda", f"--fla_worker={path}",
            f"--repeats={FLAGS.repeats}", f"--verify_len={FLAGS.verify_len}"]
+    if os.path.exists(path + ".out"):
+        os.remove(path + ".out")
+    start = time.perf_counter()
     try:
         subprocess.run(cmd, check=True, timeout=FLAGS.fla_timeout)
     except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as err:
-        print(f"fla child failed: {err}", flush=True)
+        print(f"fla child failed after {time.perf_counter() - start:.0f} s: {err}", flush=True)
+    if not os.path.exists(path + ".out"):
         return dict(rows=[], fla="not run", torch="-")
     with open(path + ".out") as f:
-        return json.load(f)
+        result = json.load(f)
+    print(f"fla child: {len(result['rows'])} of {len(jobs['runs'])} rows in {time.perf_counter() - start:.0f} s",
+          flush=True)
+    return result
 
 
 def _fla_tensors(x, do):
@@ -228,12 +247,12 @@ def fla_worker(path):
         kw = dict(safe_gate=True, lower_bound=G_MIN) if bounded else {}
         ratio, errs = _fla_errors(chunk_kda, kw, ref_all, "bounded" if bounded else "unbounded")
         fwd_ms, fwdbwd_ms = _fla_times(chunk_kda, kw, job["shape"], bounded)
-        rows.append(dict(variant=job["variant"], B=batch, T=seq_len, H=heads, D=dim, fwd_ms=fwd_ms,
+        rows.append(dict(variant=job["variant"], tuning="-", B=batch, T=seq_len, H=heads, D=dim, fwd_ms=fwd_ms,
                          fwdbwd_ms=fwdbwd_ms, max_err_ratio=ratio, errors=errs))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    with open(path + ".out", "w") as f:
-        json.dump(dict(rows=rows, fla=fla.__version__, torch=torch.__version__), f)
+        with open(path + ".out", "w") as f:  # after every row: a timed-out child keeps what it measured
+            json.dump(dict(rows=rows, fla=fla.__version__, torch=torch.__version__), f)
 
 
 def save_fla_references(path, heads, dim):
@@ -252,21 +271,25 @@ def save_fla_references(path, heads, dim):
 
 def write_tables(rows, versions, out_dir):
     os.makedirs(out_dir, exist_ok=True)
-    keys = ("variant", "B", "T", "H", "D", "fwd_ms", "fwdbwd_ms", "max_err_ratio")
+    keys = ("variant", "tuning", "B", "T", "H", "D", "fwd_ms", "fwdbwd_ms", "max_err_ratio", "errors")
     with open(os.path.join(out_dir, "kda_h200.json"), "w") as f:
-        json.dump([{k: r[k] for k in keys} for r in rows], f, indent=1)
+        json.dump([{k: ({n: float(e) for n, e in r[k].items()} if k == "errors" else r[k]) for k in keys if k in r}
+                   for r in rows], f, indent=1)
     lines = [f"Chunked KDA on {versions['gpu']} (jax {versions['jax']}, jaxlib {versions['jaxlib']}, "
              f"fla {versions.get('fla', '-')}, torch {versions.get('torch', '-')}); bf16 q/k/v/beta, fp32 g, "
-             "K = V = D, HV = H, chunk 64. Medians; max_err_ratio = max over o, state, dq, dk, dv, dg, dbeta of "
+             "K = V = D, HV = H, chunk 64. Medians: JAX rows over samples of 4 calls dispatched back to back (one "
+             "synchronisation per sample, rotating 3 input sets), fla rows by triton's do_bench (CUDA events). "
+             "max_err_ratio = max over o, state, dq, dk, dv, dg, dbeta of "
              "(relative RMS error vs the fp32 token-by-token reference) / bar, at T = "
              f"{FLAGS.verify_len}. Floor: forward bytes B*T*H*(3*2*D + 4*D + 2*D) at 4.3 TB/s; the backward moves 2.2x "
              "that, so the fwd+bwd floor is 3.2x the forward's. Pallas launch tuning: "
              f"{versions.get('tuning', '-')}.",
-             "", "| variant | B | T | H | D | fwd ms | x floor | fwd+bwd ms | x floor | max err/bar |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| variant | tuning | B | T | H | D | fwd ms | x floor | fwd+bwd ms | x floor | max err/bar |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         floor = floor_ms(r["B"], r["T"], r["H"], r["D"])
-        lines.append(f"| {r['variant']} | {r['B']} | {r['T']} | {r['H']} | {r['D']} | {r['fwd_ms']:.3f} | "
+        lines.append(f"| {r['variant']} | {r['tuning']} | {r['B']} | {r['T']} | {r['H']} | {r['D']} | "
+                     f"{r['fwd_ms']:.3f} | "
                      f"{r['fwd_ms'] / floor:.1f} | {r['fwdbwd_ms']:.3f} | {r['fwdbwd_ms'] / (3.2 * floor):.1f} | "
                      f"{r['max_err_ratio']:.3f} |")
     with open(os.path.join(out_dir, "kda_h200.md"), "w") as f:
@@ -279,7 +302,11 @@ def _versions():
     import jaxlib
     from pallas_kernels.kda.pallas_fwd import Tuning
     return dict(gpu=jax.devices()[0].device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__,
-                tuning=repr(Tuning.from_string(FLAGS.tuning)))
+                tuning="; ".join(f"{t} = {Tuning.from_string(t)!r}" for t in _tuning_names()))
+
+
+def _tuning_names():
+    return [t.strip() for t in FLAGS.tunings.split(";") if t.strip()] if FLAGS.tunings else [FLAGS.tuning]
 
 
 def main(argv):
@@ -288,38 +315,52 @@ def main(argv):
         return fla_worker(FLAGS.fla_worker)
     import jax
     from pallas_kernels.kda.pallas_fwd import Tuning
-    tuning = Tuning.from_string(FLAGS.tuning)
+    start = time.perf_counter()
+    tunings = [(name, Tuning.from_string(name)) for name in _tuning_names()]
     shapes = [tuple(int(s) for s in shape.split("x")) for shape in FLAGS.shapes]
-    rows, fla_jobs = [], []
+    fla_jobs = [dict(shape=shape, variant=v) for shape in shapes for v in FLAGS.variants if v.startswith("fla")]
+    order = {v: i for i, v in enumerate(FLAGS.variants)}
+    rows, versions = [], _versions()
+
+    def save():
+        rows.sort(key=lambda r: (r["T"] * r["B"], r["B"], order[r["variant"]]))
+        write_tables(rows, versions, FLAGS.out_dir)
+
+    def run_fla():
+        ref_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kda_fla_ref.npz")
+        save_fla_references(ref_path, shapes[0][2], shapes[0][3])
+        jax.clear_caches()
+        result = run_fla_child(dict(reference=ref_path, runs=fla_jobs))
+        rows.extend(result["rows"])
+        versions.update(fla=result["fla"], torch=result["torch"])
+        save()
+
+    if fla_jobs and FLAGS.fla_first:
+        run_fla()
     for shape in shapes:
         outs = {}
         for variant in FLAGS.variants:
             if variant.startswith("fla"):
-                fla_jobs.append(dict(shape=shape, variant=variant))
                 continue
-            print(f"{variant} {shape}", flush=True)
-            result, outs[variant] = bench_jax(shape, variant, tuning)
-            rows.append(dict(variant=variant, B=shape[0], T=shape[1], H=shape[2], D=shape[3], **result))
-            print(f"  {rows[-1]}", flush=True)
-            write_tables(rows, _versions(), FLAGS.out_dir)  # a timed-out run keeps what it measured
+            for name, tuning in (tunings if variant.startswith("pallas") else [("-", None)]):
+                if FLAGS.deadline_s and time.perf_counter() - start > FLAGS.deadline_s:
+                    print(f"deadline: {variant} {name} {shape} not run", flush=True)
+                    continue
+                print(f"{variant} [{name}] {shape}", flush=True)
+                result, outs[variant] = bench_jax(shape, variant, tuning or Tuning(), name)
+                rows.append(dict(variant=variant, tuning=name, B=shape[0], T=shape[1], H=shape[2], D=shape[3],
+                                 **result))
+                print(f"  {rows[-1]}", flush=True)
+                save()  # a timed-out run keeps what it measured
         for gate in ("bounded", "unbounded"):  # full-shape agreement of the kernels with the XLA path
             if f"pallas_{gate}" in outs and f"xla_{gate}" in outs:
                 from pallas_kernels.kda import relative_rms_error
                 err = relative_rms_error(np.asarray(outs[f"xla_{gate}"], np.float32),
                                          np.asarray(outs[f"pallas_{gate}"], np.float32))
                 print(f"  full-shape o, pallas vs xla ({gate}): relative RMS {err:.2e}", flush=True)
-    versions = _versions()
-    order = {v: i for i, v in enumerate(FLAGS.variants)}
-    write_tables(rows, versions, FLAGS.out_dir)  # the JAX rows survive a failed fla child
-    if fla_jobs:
-        ref_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kda_fla_ref.npz")
-        save_fla_references(ref_path, shapes[0][2], shapes[0][3])
-        jax.clear_caches()
-        result = run_fla_child(dict(reference=ref_path, runs=fla_jobs))
-        rows += result["rows"]
-        versions.update(fla=result["fla"], torch=result["torch"])
-    rows.sort(key=lambda r: (r["T"] * r["B"], r["B"], order[r["variant"]]))
-    write_tables(rows, versions, FLAGS.out_dir)
+    if fla_jobs and not FLAGS.fla_first:
+        run_fla()
+    save()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from flax import linen as nn
 
 from hybridmoe import build_model
 from hybridmoe import config as C
+from hybridmoe import routing
 from hybridmoe.train.step import cross_entropy
 from tests.model_utils import small_config
 
@@ -58,9 +59,14 @@ def test_scanned_layers_equal_the_unrolled_model(remat, scanned_remat):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(_stacked(g_u, 2, len(PATTERN)))):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
-    # The next batch's router state, group by group.
+    # The next batch's router state, group by group. The window's margins are stored as order-preserving
+    # uint32 keys: compare the margins they encode (a margin near 0 moves its key by thousands for 1e-7),
+    # margins of O(0.5) after four layers of fp32 activations, which differ by ~1e-6 between the two programs.
     for a, b in zip(jax.tree.leaves(upd_s["router"]), jax.tree.leaves(_stacked(upd_u["router"], 2, 4))):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        if a.dtype == jnp.uint32:
+            np.testing.assert_allclose(routing._key_float(a), routing._key_float(b), rtol=1e-5, atol=1e-5)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_scanned_parameters_keep_their_logical_axes_behind_a_layer_axis():
