@@ -35,6 +35,7 @@ flags.DEFINE_bool("split", True, "Also time isolated KDA / MLA / MoE sublayers."
 flags.DEFINE_string("out", "", "Write OUT.json and OUT.md (rows of every length) when set.")
 flags.DEFINE_integer("warm_up_below", 262144, "Lengths below this get an untimed warm-up call.")
 flags.DEFINE_bool("merge", False, "Keep OUT.json's rows of lengths not measured in this run.")
+flags.DEFINE_integer("timeout_s", 0, "Stop a length after this many seconds, keeping what it measured (0: none).")
 flags.DEFINE_integer("child_len", 0, "Internal: measure this one length and print its row.")
 FLAGS = flags.FLAGS
 
@@ -108,6 +109,7 @@ def measure(t: int) -> dict:
         logging.warning("T=%d step failed: %s", t, row["step_error"])
     stats = jax.devices()[0].memory_stats() or {}
     row["peak_gib"] = stats.get("peak_bytes_in_use", float("nan")) / 2**30
+    _emit(row)  # a 1M step takes minutes: what is measured so far survives a timeout
     del variables
     if FLAGS.split:
         dt = dtype_of(cfg.dtype)
@@ -122,6 +124,7 @@ def measure(t: int) -> dict:
         for key, (count, module, args) in parts.items():
             try:  # one sublayer out of memory must not lose the step time measured above
                 row[key] = count * _sublayer_s(module, *args)
+                _emit(row)
             except Exception as e:  # noqa: BLE001 - reported in the row
                 row[key + "_error"] = str(e).splitlines()[0][:200]
                 logging.warning("T=%d %s failed: %s", t, key, row[key + "_error"])
@@ -130,18 +133,29 @@ def measure(t: int) -> dict:
     return row
 
 
+def _emit(row: dict) -> None:
+    """Prints the row measured so far; the parent keeps the last one a child printed."""
+    print(ROW_PREFIX + json.dumps(row), flush=True)
+
+
 def _run_child(t: int) -> dict:
     argv = [sys.executable, "-m", "experiments.bench_long_context", f"--child_len={t}",
             f"--repeats={FLAGS.repeats}", f"--split={FLAGS.split}", f"--warm_up_below={FLAGS.warm_up_below}"]
     argv += [f"--gin_file={g}" for g in FLAGS.gin_file] + [f"--gin_param={p}" for p in FLAGS.gin_param]
     # The parent never touches the device; each child may take nearly all of its memory.
     env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith(ROW_PREFIX):
-            return json.loads(line[len(ROW_PREFIX):])
-    tail = (proc.stderr or "").strip().splitlines()[-5:]
-    return {"T": t, "error": " | ".join(tail)}
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=FLAGS.timeout_s or None)
+        stdout, stderr, timed_out = proc.stdout, proc.stderr, False
+    except subprocess.TimeoutExpired as e:
+        as_text = lambda b: b.decode() if isinstance(b, bytes) else (b or "")  # noqa: E731
+        stdout, stderr, timed_out = as_text(e.stdout), as_text(e.stderr), True
+    rows = [json.loads(line[len(ROW_PREFIX):]) for line in stdout.splitlines() if line.startswith(ROW_PREFIX)]
+    if rows:
+        return {**rows[-1], "timed_out": True} if timed_out else rows[-1]
+    tail = stderr.strip().splitlines()[-5:]
+    return {"T": t, "error": (f"no row within --timeout_s={FLAGS.timeout_s} | " if timed_out else "")
+            + " | ".join(tail)}
 
 
 def _cell(row: dict, key: str) -> str:
@@ -179,7 +193,7 @@ def markdown_table(rows: list[dict]) -> str:
 def main(argv):
     del argv
     if FLAGS.child_len:
-        print(ROW_PREFIX + json.dumps(measure(FLAGS.child_len)), flush=True)
+        _emit(measure(FLAGS.child_len))
         return
     lengths = list(map(int, FLAGS.lengths))
     kept = []

@@ -61,6 +61,10 @@ class KDAConfig:
     g_min: float = -5.0
     chunk_size: int = 64
     backend: str = "auto"
+    # Run the whole layer (projections, convolutions, gates, scan, output) over consecutive sequence pieces of this
+    # many tokens, each rematerialised, the state and the convolution's halo carried from one to the next: the
+    # backward then holds one piece's buffers instead of T's. None = one pass. A multiple of chunk_size; exact.
+    seq_chunk: int | None = None
 
     def __post_init__(self):
         name = "KDAConfig"
@@ -77,6 +81,8 @@ class KDAConfig:
         _check_range(name, "g_min", self.g_min, -20.0, 0.0, hi_open=True)
         if self.chunk_size % 16:
             _fail(name, "chunk_size", self.chunk_size, "a positive multiple of 16")
+        if self.seq_chunk is not None and (self.seq_chunk <= 0 or self.seq_chunk % self.chunk_size):
+            _fail(name, "seq_chunk", self.seq_chunk, f"None or a positive multiple of chunk_size={self.chunk_size}")
         _check_in(name, "backend", self.backend, ("auto", "reference", "xla", "pallas", "interpret", "pallas_tpu",
                                                   "interpret_tpu"))
 
