@@ -24,6 +24,7 @@ flags.DEFINE_multi_string("gin_file", ["configs/small_h200.gin"], "Model config 
 flags.DEFINE_integer("seq_len", 131072, "Tokens in the row.")
 flags.DEFINE_integer("seq_chunk", 32768, "Tokens per piece.")
 flags.DEFINE_string("backend", "auto", "KDAConfig.backend for both versions.")
+flags.DEFINE_list("documents", ["1", "3"], "Cases: 1 (one document) and/or 3 (packed documents).")
 flags.DEFINE_string("out", "", "Write OUT.json and OUT.md when set.")
 FLAGS = flags.FLAGS
 
@@ -82,7 +83,7 @@ def main(argv):
 
     cfg = load_config(FLAGS.gin_file, []).model
     rows = []
-    for with_docs in (False, True):
+    for with_docs in (n == "3" for n in FLAGS.documents):
         rows.append(compare(cfg, FLAGS.seq_len, FLAGS.seq_chunk, with_docs))
         print(json.dumps(rows[-1]), flush=True)
     if FLAGS.out:
