@@ -115,7 +115,7 @@ def test_shards_draw_disjoint_retrieval_rows():
 
 
 def test_no_evaluation_example_is_trained_on():
-    """The benchmark grid (benchmarks/results/needle_tiny.md: seed 0, 8 examples, lengths 512 to
+    """The benchmark grid (benchmarks/results/needle_tiny.md: seed 0, 20 examples, lengths 512 to
     32K) shares no needle and no filler source with the training rows of the tiny configs."""
     eval_haystack = lc.load_haystack(CONFIG)
     train_haystack = retrieval.train_haystack(CONFIG)
@@ -128,14 +128,14 @@ def test_no_evaluation_example_is_trained_on():
     eval_needles = set()
     for length in (512, 2048, 8192, 32768):
         for task in NIAH:
-            for index in range(8):
+            for index in range(20):
                 ex = lc.make_example(eval_haystack, task, length, 0.5, seed=0, index=index)
                 eval_needles |= set(NEEDLE.findall(text(ex.prompt)))
                 # The "train" stream at the very same arguments draws other keys and values.
                 twin = lc.make_example(train_haystack, task, length, 0.5, seed=0, index=index,
                                        stream="train")
                 assert not set(NEEDLE.findall(text(twin.prompt))) & eval_needles
-    assert len(eval_needles) >= 4 * 8 * (1 + 4)  # single: 1 needle, multikey: 4 (all distinct)
+    assert len(eval_needles) >= 4 * 20 * (1 + 4)  # single: 1 needle, multikey: 4 (all distinct)
     eval_keys = {k for k, _ in eval_needles}
     for seq_len in (512, 2048, 8192):
         for k in range(150):

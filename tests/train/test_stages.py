@@ -216,8 +216,7 @@ def test_stage_configs_parse():
     ramp = plan_stages(load_config(["configs/stages/tiny_ramp.gin"]), 1)
     assert [(s.seq_len, s.data.batch_size, s.tokens_per_step) for s in ramp] == [
         (512, 16, 8192), (2048, 4, 8192), (8192, 1, 8192)]
-    shares = [s.config.long_doc_share for s in ramp]
-    assert shares == sorted(shares) and shares[-1] > 0
+    assert all(s.config.retrieval_share == 1.0 for s in ramp)  # the needle experiment: retrieval rows only
     # Its control differs only in the context lengths: same steps, tokens per step, retrieval mix.
     (control,) = plan_stages(load_config(["configs/stages/tiny_512.gin"]), 1)
     assert control.seq_len == 512 and control.tokens_per_step == 8192
@@ -228,6 +227,8 @@ def test_stage_configs_parse():
         assert s.config.retrieval_answer_weight == control.config.retrieval_answer_weight
     k3 = plan_stages(load_config(["configs/stages/k3_1m.gin"]), 1)
     assert [s.seq_len for s in k3] == [8192, 65536, 262144, 1048576]
+    shares = [s.config.long_doc_share for s in k3]  # the long-document share grows per stage
+    assert shares == sorted(shares) and shares[-1] > shares[0]
     assert {s.tokens_per_step for s in k3} == {2 ** 26}
     assert k3[-1].config.eval_lengths[-1] == 2 ** 20
 
