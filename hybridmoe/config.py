@@ -129,7 +129,7 @@ class MLAConfig:
             _fail(name, "rope_base", self.rope_base, "> 1")
         if self.use_rope and self.qk_rope_head_dim % 2:
             _fail(name, "qk_rope_head_dim", self.qk_rope_head_dim, "even when use_rope=True")
-        _check_in(name, "backend", self.backend, ("xla", "cudnn", "pallas"))
+        _check_in(name, "backend", self.backend, ("xla", "cudnn", "pallas", "pallas_interpret"))
         _check_positive(name, max_segments=self.max_segments)
 
 
