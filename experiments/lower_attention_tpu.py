@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from experiments.lower_kda_tpu import lower  # defines --targets (TPU device kinds)
+from experiments.lower_kda_tpu import lower  # defines --targets (TPU device kinds) and --out
 from hybridmoe.layers.attention_splash import splash_attention
 
 flags.DEFINE_list("lengths", ["8192", "65536"], "Sequence lengths.")
-flags.DEFINE_string("report", "", "Write the markdown report here.")
 FLAGS = flags.FLAGS
 
 
@@ -39,8 +38,8 @@ def main(argv):
             result, _ = lower(jax.grad(_loss, argnums=(0, 1, 2)), args, kind)
             lines.append(f"| {t} | {kind} | {result} |")
             print(lines[-1], flush=True)
-    if FLAGS.report:
-        with open(FLAGS.report, "w", encoding="utf-8") as f:
+    if FLAGS.out:
+        with open(FLAGS.out, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
 
 

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from pallas_kernels.kda.testing import relative_rms_error
+
 flags.DEFINE_multi_string("gin_file", ["configs/small_h200.gin"], "Model config (its KDAConfig is used).")
 flags.DEFINE_integer("seq_len", 131072, "Tokens in the row.")
 flags.DEFINE_integer("seq_chunk", 32768, "Tokens per piece.")
@@ -27,11 +29,6 @@ flags.DEFINE_string("backend", "auto", "KDAConfig.backend for both versions.")
 flags.DEFINE_list("documents", ["1", "3"], "Cases: 1 (one document) and/or 3 (packed documents).")
 flags.DEFINE_string("out", "", "Write OUT.json and OUT.md when set.")
 FLAGS = flags.FLAGS
-
-
-def _rel(a, b) -> float:
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.sqrt(jnp.mean((a - b) ** 2)) / (jnp.sqrt(jnp.mean(a ** 2)) + 1e-30))
 
 
 def compare(cfg, t: int, piece: int, with_docs: bool) -> dict:
@@ -68,10 +65,10 @@ def compare(cfg, t: int, piece: int, with_docs: bool) -> dict:
         grads.append(step(params, x)[1])
         del step
     for key, (a, b) in (("", (0, 1)), ("floor_", (2, 0))):  # pieces vs one pass; bf16 vs fp32
-        row[f"{key}o_rel_rms"] = _rel(outs[a], outs[b])
-        row[f"{key}dx_rel_rms"] = _rel(grads[a][1], grads[b][1])
+        row[f"{key}o_rel_rms"] = relative_rms_error(outs[a], outs[b])
+        row[f"{key}dx_rel_rms"] = relative_rms_error(grads[a][1], grads[b][1])
         flat = [jax.tree_util.tree_leaves_with_path(grads[i][0]) for i in (a, b)]
-        rels = {jax.tree_util.keystr(path): _rel(u, w) for (path, u), (_, w) in zip(*flat)}
+        rels = {jax.tree_util.keystr(path): relative_rms_error(u, w) for (path, u), (_, w) in zip(*flat)}
         worst = max(rels, key=rels.get)
         row[f"{key}dparam_rel_rms_max"], row[f"{key}dparam_worst"] = rels[worst], worst
     return row

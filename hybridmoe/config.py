@@ -64,6 +64,7 @@ class KDAConfig:
     # Run the whole layer (projections, convolutions, gates, scan, output) over consecutive sequence pieces of this
     # many tokens, each rematerialised, the state and the convolution's halo carried from one to the next: the
     # backward then holds one piece's buffers instead of T's. None = one pass. A multiple of chunk_size; exact.
+    # Not used under context parallelism, where each sequence shard is already a piece of the row.
     seq_chunk: int | None = None
 
     def __post_init__(self):

@@ -6,6 +6,7 @@ output = W_o · concat_h[RMSNorm_h(o_h) · w ⊙ sigmoid(W_g x)].
 
 Under a mesh whose "length" rule splits positions (hybridmoe.context_parallel), the convolutions take a halo
 from the previous sequence shard and the chunked scan passes its state across shards; all else is per token.
+KDAConfig.seq_chunk runs the layer on one device the same way, over rematerialised pieces of the row in turn.
 """
 
 from __future__ import annotations
