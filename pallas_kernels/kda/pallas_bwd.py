@@ -13,7 +13,8 @@ from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
 from pallas_kernels.kda.pallas_fwd import (chunk_tile, chunk_vector, compiler_params, input_specs, intra_precision,
-                                           operand_cast, ref_chunk, scan_load, sequence_specs, with_precision)
+                                           operand_cast, ref_chunk, saved_state_dtype, scan_load, sequence_specs,
+                                           with_precision)
 
 _F32 = jnp.float32
 
@@ -27,7 +28,7 @@ def _state_grad_kernel(w_ref, qp_ref, kd_ref, d_ref, do_ref, ds_final_ref, ds_ch
 
     def step(i, ds):  # ds: [K, Vt] fp32
         n = num_chunks - 1 - i
-        ds_chunk_ref[n] = ds
+        ds_chunk_ref[n] = ds.astype(ds_chunk_ref.dtype)
         dv_new = blk.mm(operand(kd_ref, n), cast(ds, kd_ref))
         dv_new_ref[n] = dv_new
         do = do_ref[n] if low else do_ref[n].astype(_F32)
@@ -41,7 +42,8 @@ def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
     """Reverse recurrence dS_in = D dS_out + qp^T dO - w^T (kd dS_out).
 
     w, qp, kd: [BN, HV, C, K]; d: [BN, HV, K]; do: [BN, C, HV, V]; ds_final: [B, HV, K, V] fp32.
-    Returns dS_out of every chunk [BN, HV, K, V], dV_new = kd dS_out [BN, HV, C, V] and dS of the initial state.
+    Returns dS_out of every chunk [BN, HV, K, V] (saved_state_dtype), dV_new = kd dS_out [BN, HV, C, V] and dS of
+    the initial state.
     """
     chunks, value_heads, chunk, key_dim = w.shape
     batch, _, _, value_dim = ds_final.shape
@@ -52,7 +54,8 @@ def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
         grid=(batch, value_heads, value_dim // tile),
         in_specs=[keys(chunk)] * 3 + [vector, time_major(chunk), state],
         out_specs=[states, values(chunk), state],
-        out_shape=[jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), _F32),
+        out_shape=[jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim),
+                                        saved_state_dtype(tuning, w.dtype)),
                    jax.ShapeDtypeStruct((chunks, value_heads, chunk, value_dim), _F32),
                    jax.ShapeDtypeStruct(ds_final.shape, _F32)],
         compiler_params=compiler_params(tuning.state_warps, tuning.state_stages),
@@ -64,12 +67,16 @@ def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
 @with_precision
 def _state_side_kernel(s0_ref, ds_ref, v_new_ref, do_ref, dv_new_ref, dqp_ref, dw_ref, dkd_ref, dd_ref):
     """Gradients of one chunk's qp, w, kd and D on a tile of key channels; all contract over the value width:
-    dqp = dO S0^T, dw = -dV_new S0^T, dkd = V_new dS^T, dD = rowsum(S0 * dS)."""
-    s0, ds = s0_ref[...], ds_ref[...]  # [Kt, V] fp32
-    dqp_ref[...] = blk.mm_nt(do_ref[...].astype(_F32), s0)
-    dw_ref[...] = -blk.mm_nt(dv_new_ref[...], s0)
-    dkd_ref[...] = blk.mm_nt(v_new_ref[...].astype(_F32), ds)
-    dd_ref[...] = jnp.sum(s0 * ds, axis=1)
+    dqp = dO S0^T, dw = -dV_new S0^T, dkd = V_new dS^T, dD = rowsum(S0 * dS). Stored in 16 bits (saved_state_dtype),
+    S0 and dS multiply the 16-bit dO and V_new as they are (exact products, fp32 accumulation)."""
+    s0, ds = s0_ref[...], ds_ref[...]  # [Kt, V]
+    do, v_new = do_ref[...], v_new_ref[...]
+    if s0.dtype == _F32:
+        do, v_new = do.astype(_F32), v_new.astype(_F32)
+    dqp_ref[...] = blk.mm_nt(do.astype(s0.dtype), s0)
+    dw_ref[...] = -blk.mm_nt(dv_new_ref[...], s0.astype(_F32))
+    dkd_ref[...] = blk.mm_nt(v_new.astype(ds.dtype), ds)
+    dd_ref[...] = jnp.sum(s0.astype(_F32) * ds.astype(_F32), axis=1)
 
 
 def state_side_grads(s0, ds, v_new, do, dv_new, *, tuning, interpret, precision):
@@ -103,7 +110,8 @@ def _score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref
     daqk, dakk, dkb, dv, dbeta = backward_scores(
         x, k_base(x, jnp.cumsum(x.g, axis=0)), *map(load, (aqk_ref, akk_ref, t_ref, w_ref, u_ref, do_ref, du_ref,
                                                            dqp_ref, dw_ref)))
-    daqk_ref[...], dakk_ref[...], dkb_ref[...], dv_ref[...], dbeta_ref[...] = daqk, dakk, dkb, dv, dbeta[:, 0]
+    daqk_ref[...], dakk_ref[...], dkb_ref[...], dbeta_ref[...] = daqk, dakk, dkb, dbeta[:, 0]
+    dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 @with_precision
@@ -114,7 +122,7 @@ def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_re
     at = lambda b: (pl.ds(b * ROWS, ROWS), pl.ds(b * ROWS, ROWS))  # noqa: E731
     dq, dk, dg = backward_inputs(x, gates, daqk_ref[...], dakk_ref[...], dkb_ref[...], dqp_ref[...], dkd_ref[...],
                                  dd_ref[...][None, :], lambda b: (daqk_ref[at(b)], dakk_ref[at(b)]), dense=dense)
-    dq_ref[...], dk_ref[...], dg_ref[...] = dq * scale, dk, dg
+    dq_ref[...], dk_ref[...], dg_ref[...] = (dq * scale).astype(dq_ref.dtype), dk.astype(dk_ref.dtype), dg
 
 
 @with_precision
@@ -127,7 +135,7 @@ def _tiled_score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, a
     doc = doc_ref[...]
     beta = beta_ref[...].astype(_F32)[:, None]
     reads = (doc == blk.element(prev_ref[...], 0))[:, None]
-    aqk, t = aqk_ref[...], t_ref[...]
+    aqk, t = aqk_ref[...].astype(_F32), t_ref[...].astype(_F32)
     load = lambda ref, cols: ref[:, cols].astype(_F32)  # noqa: E731
 
     def value_side(j, acc):
@@ -135,7 +143,7 @@ def _tiled_score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, a
         cols = pl.ds(j * tile, tile)
         u, do = load(u_ref, cols), load(do_ref, cols)
         dvb = blk.mm_tn(t, load(du_ref, cols) + blk.mm_tn(aqk, do))
-        dv_ref[:, cols] = beta * dvb
+        dv_ref[:, cols] = (beta * dvb).astype(dv_ref.dtype)
         return daqk + blk.mm_nt(do, u), dl - blk.mm_nt(dvb, u), dbeta + jnp.sum(dvb * load(v_ref, cols), axis=1)
 
     def key_side(j, acc):
@@ -151,32 +159,37 @@ def _tiled_score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, a
     acc = lax.fori_loop(0, value_dim // tile, value_side, (zeros, zeros, jnp.zeros((size,), _F32)))
     daqk, dl, dbeta = lax.fori_loop(0, key_dim // tile, key_side, acc)
     daqk, dl = mask_scores(doc, daqk, dl)
-    dbeta = dbeta + jnp.sum(dl * akk_ref[...], axis=1)
+    dbeta = dbeta + jnp.sum(dl * akk_ref[...].astype(_F32), axis=1)
     daqk_ref[...], dakk_ref[...], dbeta_ref[...] = daqk, beta * dl, dbeta
 
 
 def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd, dd, *, scale, dense, tuning,
                 interpret, precision):
     """Input gradients per value head, chunked like the inputs: dq, dk: [BN, C, HV, K] (to be summed over each
-    q/k head's group), dv: [BN, C, HV, V], dg: [BN, C, HV, K], dbeta: [BN, C, HV], all fp32.
+    q/k head's group: fp32 with grouped heads, else in q's dtype), dv: [BN, C, HV, V] in v's dtype, dg:
+    [BN, C, HV, K] and dbeta: [BN, C, HV] fp32. Written in the inputs' dtypes by the kernels themselves, which
+    saves a conversion pass over every gradient.
 
     saved: the forward's (Aqk, Akk, T, w, u). Two kernels: the first goes back through the solve to the score
     gradients (stored [BN, HV, C, C]), the second through the decayed scores to q, k and g.
     """
     kw = dict(tuning=tuning, interpret=interpret, precision=precision)
-    daqk, dakk, dkb, dv, dbeta = score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, **kw)
+    daqk, dakk, dkb, dv, dbeta = score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw,
+                                             dv_dtype=v.dtype, **kw)
+    grouped = v.shape[2] != q.shape[2]
     dq, dk, dg = input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, scale=scale, dense=dense,
-                             **kw)
+                             out_dtype=_F32 if grouped else q.dtype, **kw)
     return dq, dk, dv, dg, dbeta
 
 
-def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tuning, interpret, precision):
+def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tuning, interpret, precision,
+                dv_dtype=_F32):
     """Back through ol = Aqk u, qp = qd - Aqk w and the solve: dAqk, dAkk [BN, HV, C, C], d(kb) [BN, HV, C, K],
-    dv [BN, C, HV, V] and the direct part of dbeta [BN, C, HV]."""
+    dv [BN, C, HV, V] (in dv_dtype) and the direct part of dbeta [BN, C, HV]."""
     chunks, chunk, heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2:]
     per_head = lambda d: pl.BlockSpec((None, chunk, None, d), lambda n, h: (n, 0, h, 0))  # noqa: E731
-    shape = lambda d: jax.ShapeDtypeStruct((chunks, chunk, value_heads, d), _F32)  # noqa: E731
+    shape = lambda d, dtype=_F32: jax.ShapeDtypeStruct((chunks, chunk, value_heads, d), dtype)  # noqa: E731
     tile_shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), _F32)  # noqa: E731
     beta_spec = pl.BlockSpec((None, chunk, None), lambda n, h: (n, 0, h))
     specs = input_specs(chunk, key_dim, value_dim, value_heads // heads)
@@ -193,7 +206,7 @@ def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tun
             chunk_tile(chunk, key_dim), chunk_tile(chunk, value_dim), per_head(value_dim),
             chunk_tile(chunk, value_dim)] + [chunk_tile(chunk, key_dim)] * 2,
         out_specs=[chunk_tile(chunk, chunk)] * 2 + [chunk_tile(chunk, key_dim), per_head(value_dim), beta_spec],
-        out_shape=[tile_shape(chunk)] * 2 + [tile_shape(key_dim), shape(value_dim),
+        out_shape=[tile_shape(chunk)] * 2 + [tile_shape(key_dim), shape(value_dim, dv_dtype),
                                              jax.ShapeDtypeStruct((chunks, chunk, value_heads), _F32)],
         compiler_params=compiler_params(tuning.score_bwd_warps),
         interpret=interpret,
@@ -203,11 +216,11 @@ def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tun
 
 
 def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, scale, dense, tuning, interpret,
-                precision):
-    """Through the decayed scores and decay factors to dq, dk, dg [BN, C, HV, K] (fp32)."""
+                precision, out_dtype=_F32):
+    """Through the decayed scores and decay factors to dq, dk (in out_dtype) and dg (fp32) [BN, C, HV, K]."""
     chunks, chunk, heads, key_dim = q.shape
     value_heads = dkb.shape[1]
-    shape = lambda d: jax.ShapeDtypeStruct((chunks, chunk, value_heads, d), _F32)  # noqa: E731
+    shape = lambda d, dtype=_F32: jax.ShapeDtypeStruct((chunks, chunk, value_heads, d), dtype)  # noqa: E731
     # Everything after the score gradients is elementwise in the key channel: split K over programs (half the live
     # tiles each).
     kt = min(tuning.key_tile, key_dim)
@@ -225,7 +238,7 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
         grid=(chunks, value_heads, key_dim // kt),
         in_specs=[qk, qk, head_k, rows, doc_spec, doc_spec, scores, scores, tile_k, tile_k, tile_k, dd_spec],
         out_specs=[head_k] * 3,
-        out_shape=[shape(key_dim)] * 3,
+        out_shape=[shape(key_dim, out_dtype)] * 2 + [shape(key_dim)],
         compiler_params=compiler_params(tuning.input_bwd_warps),
         interpret=interpret,
         name="kda_input_bwd",

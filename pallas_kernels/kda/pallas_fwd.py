@@ -89,6 +89,12 @@ def intra_precision(tuning, precision, dtype):
     return precision
 
 
+def score_dtype(precision):
+    """Storage of the saved [C, C] scores and inverse: bf16 when every per-chunk product rounds its operands to bf16
+    anyway (Tuning.intra_operands="bf16" with 16-bit inputs), else fp32."""
+    return jnp.bfloat16 if precision == blk.BF16_OPERANDS else _F32
+
+
 def compiler_params(warps, stages=None):
     return pl_triton.CompilerParams(num_warps=warps, num_stages=stages)
 
@@ -221,8 +227,9 @@ def _tiled_intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref,
 @with_precision
 def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, akk_ref, t_ref, *, scale, dense, tile):
     """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve."""
-    aqk_ref[...], akk_ref[...], t_ref[...] = _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref,
-                                                            scale=scale, dense=dense, tile=tile)
+    aqk, akk, t = _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense,
+                                 tile=tile)
+    aqk_ref[...], akk_ref[...], t_ref[...] = aqk.astype(aqk_ref.dtype), akk.astype(akk_ref.dtype), t.astype(t_ref.dtype)
 
 
 @with_precision
@@ -230,13 +237,26 @@ def _key_output_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref
                        *, scale):
     """Split forward, part 2 (grid chunks x value heads x key tiles): w, qp, kd and D of one key tile."""
     inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
-    _write_key_tile(inputs, slice(None), aqk_ref[...], t_ref[...], w_ref, qp_ref, kd_ref, d_ref, scale=scale)
+    _write_key_tile(inputs, slice(None), aqk_ref[...].astype(_F32), t_ref[...].astype(_F32), w_ref, qp_ref, kd_ref,
+                    d_ref, scale=scale)
 
 
 @with_precision
 def _value_output_kernel(v_ref, beta_ref, aqk_ref, t_ref, u_ref, ol_ref):
     """Split forward, part 3 (grid chunks x value heads x value tiles): u and ol of one value tile."""
-    _write_value_tile(v_ref, beta_ref, slice(None), aqk_ref[...], t_ref[...], u_ref, ol_ref)
+    _write_value_tile(v_ref, beta_ref, slice(None), aqk_ref[...].astype(_F32), t_ref[...].astype(_F32), u_ref,
+                      ol_ref)
+
+
+@with_precision
+def _tile_outputs_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, t_ref, w_ref, qp_ref, kd_ref,
+                         d_ref, u_ref, ol_ref, *, scale):
+    """Split forward, parts 2 and 3 in one program (grid chunks x value heads x channel tiles, K = V): key tile j's
+    w, qp, kd, D and value tile j's u, ol, reading the chunk's scores and inverse once for both."""
+    inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
+    aqk, t = aqk_ref[...].astype(_F32), t_ref[...].astype(_F32)
+    _write_key_tile(inputs, slice(None), aqk, t, w_ref, qp_ref, kd_ref, d_ref, scale=scale)
+    _write_value_tile(v_ref, beta_ref, slice(None), aqk, t, u_ref, ol_ref)
 
 
 def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype,
@@ -248,7 +268,7 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     group = value_heads // heads
     tile = tuning.intra_tile
     specs = input_specs(chunk, key_dim, value_dim, group)
-    square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), _F32)
+    square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), score_dtype(precision))
     aqk, akk, t = pl.pallas_call(
         functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tile),
         grid=(chunks, value_heads),
@@ -266,12 +286,26 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     scores = pl.BlockSpec((None, None, chunk, chunk), lambda n, h, j: (n, h, 0, 0))
     out_tile = pl.BlockSpec((None, None, chunk, tile), lambda n, h, j: (n, h, 0, j))
     shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), store_dtype)  # noqa: E731
+    key_shapes = [shape(key_dim)] * 3 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)]
+    key_specs = [out_tile] * 3 + [pl.BlockSpec((None, None, tile), lambda n, h, j: (n, h, j))]
+    if key_dim == value_dim:
+        w, qp, kd, d, u, ol = pl.pallas_call(
+            functools.partial(_tile_outputs_kernel, scale=scale, precision=precision),
+            grid=(chunks, value_heads, key_dim // tile),
+            in_specs=[qk, qk, per_head, per_head, rows, doc_spec, doc_spec, scores, scores],
+            out_specs=key_specs + [out_tile] * 2,
+            out_shape=key_shapes + [shape(value_dim)] * 2,
+            compiler_params=compiler_params(tuning.output_warps),
+            interpret=interpret,
+            name="kda_outputs_fwd",
+        )(q, k, v, g, beta, doc, doc_prev, aqk, t)
+        return (w, qp, kd, u, ol, d) + ((aqk, akk, t) if save_scores else ())
     w, qp, kd, d = pl.pallas_call(
         functools.partial(_key_output_kernel, scale=scale, precision=precision),
         grid=(chunks, value_heads, key_dim // tile),
         in_specs=[qk, qk, per_head, rows, doc_spec, doc_spec, scores, scores],
-        out_specs=[out_tile] * 3 + [pl.BlockSpec((None, None, tile), lambda n, h, j: (n, h, j))],
-        out_shape=[shape(key_dim)] * 3 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)],
+        out_specs=key_specs,
+        out_shape=key_shapes,
         compiler_params=compiler_params(tuning.output_warps),
         interpret=interpret,
         name="kda_key_out_fwd",
@@ -343,6 +377,13 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
     )(q, k, v, g, beta, doc, doc_prev)
 
 
+def saved_state_dtype(tuning, store_dtype):
+    """Storage of the per-chunk states (forward) and state gradients (backward) kept for the backward: the
+    intermediates' dtype when the scans multiply in it (Tuning.scan_low_precision), since every product then sees the
+    state rounded to it anyway; fp32 otherwise. The carried state itself is always fp32."""
+    return store_dtype if tuning.scan_low_precision else _F32
+
+
 def sequence_specs(num_chunks, key_dim, tile):
     """Specs for the scans, grid (B, HV, V / tile): a whole sequence of [BN, HV, C, D] / [BN, HV, D] / [BN, C, HV, V]
     arrays per program, indexed by chunk inside the kernel."""
@@ -364,7 +405,7 @@ def _scan_kernel(w_ref, qp_ref, kd_ref, u_ref, ol_ref, d_ref, s_init_ref, o_ref,
     def step(n, state):  # state: [K, Vt] fp32, the chunk's incoming state
         v_new = u_ref[n].astype(_F32) - blk.mm(operand(w_ref, n), cast(state, w_ref))
         if saved_refs:
-            saved_refs[0][n], saved_refs[1][n] = state, v_new.astype(saved_refs[1].dtype)
+            saved_refs[0][n], saved_refs[1][n] = state.astype(saved_refs[0].dtype), v_new.astype(saved_refs[1].dtype)
         o_ref[n] = (ol_ref[n].astype(_F32) + blk.mm(operand(qp_ref, n), cast(state, qp_ref))).astype(o_ref.dtype)
         return d_ref[n][:, None] * state + blk.mm_tn(operand(kd_ref, n), cast(v_new, kd_ref))
 
@@ -378,7 +419,7 @@ def _states_kernel(w_ref, kd_ref, u_ref, d_ref, s_init_ref, s_out_ref, chunk_sta
     cast, operand = operand_cast(low), scan_load(low)
 
     def step(n, state):
-        chunk_state_ref[n] = state
+        chunk_state_ref[n] = state.astype(chunk_state_ref.dtype)
         v_new = u_ref[n].astype(_F32) - blk.mm(operand(w_ref, n), cast(state, w_ref))
         v_new_ref[n] = v_new.astype(v_new_ref.dtype)
         return d_ref[n][:, None] * state + blk.mm_tn(operand(kd_ref, n), cast(v_new, kd_ref))
@@ -406,7 +447,7 @@ def _scan_then_output(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, 
         in_specs=[keys(chunk)] * 2 + [values(chunk), vector, state],
         out_specs=[state, states, values(chunk)],
         out_shape=[jax.ShapeDtypeStruct(initial_state.shape, _F32),
-                   jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), _F32),
+                   jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), saved_state_dtype(tuning, u.dtype)),
                    jax.ShapeDtypeStruct(u.shape, u.dtype)],
         compiler_params=compiler_params(tuning.state_warps, tuning.state_stages),
         interpret=interpret,
@@ -431,7 +472,8 @@ def state_scan(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpr
     """Inter-chunk recurrence. Arrays as intra_forward returns them; initial_state: [B, HV, K, V] fp32.
 
     Returns o [BN, C, HV, V] in out_dtype, the final state [B, HV, K, V] and, if save_states, the backward's
-    residuals: every chunk's incoming state [BN, HV, K, V] fp32 and v_new = u - w S [BN, HV, C, V] in u's dtype.
+    residuals: every chunk's incoming state [BN, HV, K, V] (saved_state_dtype) and v_new = u - w S [BN, HV, C, V]
+    in u's dtype.
     """
     if tuning.separate_output:
         return _scan_then_output(w, qp, kd, u, ol, d, initial_state, out_dtype=out_dtype, tuning=tuning,
@@ -445,7 +487,8 @@ def state_scan(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpr
                  jax.ShapeDtypeStruct(initial_state.shape, _F32)]
     out_specs = [time_major(chunk), state]
     if save_states:
-        out_shape += [jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), _F32),
+        out_shape += [jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim),
+                                           saved_state_dtype(tuning, u.dtype)),
                       jax.ShapeDtypeStruct(u.shape, u.dtype)]
         out_specs += [states, values(chunk)]
     return pl.pallas_call(

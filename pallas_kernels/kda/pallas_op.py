@@ -93,9 +93,10 @@ def _kda_bwd(cfg, residuals, cotangents):
                                         dkd, dd, scale=cfg.scale, dense=cfg.dense, **kw)
     chunks, chunk, heads, key_dim = q.shape
     group = v.shape[2] // heads
-    sum_group = lambda x: x.reshape(chunks, chunk, heads, group, key_dim).sum(axis=3)  # noqa: E731
-    return (sum_group(dq).astype(q.dtype), sum_group(dk).astype(k.dtype), dv.astype(v.dtype), dg,
-            dbeta.astype(beta.dtype), ds_init, None, None)
+    if group > 1:  # grouped value heads: the kernels wrote per-value-head fp32 gradients of q and k
+        sum_group = lambda x: x.reshape(chunks, chunk, heads, group, key_dim).sum(axis=3)  # noqa: E731
+        dq, dk = sum_group(dq).astype(q.dtype), sum_group(dk).astype(k.dtype)
+    return dq, dk, dv, dg, dbeta.astype(beta.dtype), ds_init, None, None
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)

@@ -195,3 +195,36 @@ def test_bf16_operands_in_the_per_chunk_kernels_meet_the_bf16_bars(monkeypatch, 
                       g_min=-5.0, dtype=jnp.bfloat16)
     tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, g_min, 64, _segments(1, 200), tol=tol)
+
+
+@pytest.mark.parametrize("operands", ["tf32", "bf16"])
+def test_bf16_ungrouped_path_writes_input_dtypes_and_16_bit_residuals(monkeypatch, operands):
+    # The GPU layout (64-token chunks, K = V, one value head per key head): the split forward's fused output
+    # kernel, 16-bit per-chunk states and state gradients kept for the backward (scan_low_precision), the saved
+    # scores in bf16 when every per-chunk product takes bf16 operands, and gradients written in the inputs' dtypes
+    # by the kernels. Still within the bf16 bars.
+    import functools
+
+    from pallas_kernels.kda import pallas_fwd
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    tuning = Tuning(intra_operands=operands)
+    low = functools.partial(kda_pallas, interpret=True, tuning=tuning)
+    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(
+        jax.jit(low, static_argnames=api._KERNEL_STATIC)))
+    x = random_inputs(9, batch=1, seq_len=150, heads=2, value_heads=2, key_dim=32, value_dim=32, gate="bounded",
+                      g_min=-5.0, dtype=jnp.bfloat16)
+    tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
+    _compare(x, -5.0, 64, _segments(1, 150), tol=tol)
+    out = _run("interpret", x, -5.0, 64, None)
+    assert out["dq"].dtype == out["dk"].dtype == out["dv"].dtype == jnp.bfloat16
+    assert out["dg"].dtype == jnp.float32
+    # What the forward keeps for the backward, and in which dtype.
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    fwd = lambda *a: chunk_kda(*a, g_min=-5.0, chunk_size=64, backend="interpret")[0]  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(fwd, *a)[1](fwd(*a)))(*args))
+    assert "kda_outputs_fwd" in jaxpr
+    assert pallas_fwd.saved_state_dtype(tuning, jnp.bfloat16) == jnp.bfloat16
+    assert pallas_fwd.saved_state_dtype(Tuning(scan_low_precision=False), jnp.bfloat16) == jnp.float32
+    scores = pallas_fwd.score_dtype(pallas_fwd.intra_precision(tuning, None, jnp.bfloat16))
+    assert scores == (jnp.bfloat16 if operands == "bf16" else jnp.float32)
+    assert "bf16[3,2,32,32]" in jaxpr  # the three chunks' stored states of each value head
