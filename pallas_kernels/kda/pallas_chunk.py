@@ -267,22 +267,19 @@ def backward_inputs(x: ChunkIn, core: Gates, daqk, dakk, dkb, dqp, dkd, dd, diag
     # (q dq - k dk, equal and opposite) do not leave rounding noise next to a small dg.
     diag = jnp.sum(jnp.where(eye, daqk, 0.0), axis=1)[:, None]
     daqk = jnp.where(eye, 0.0, daqk)
-    # Column side first, then row side: two accumulators live at a time rather than three. Row block i's share is
-    # selected on the [C, tile] side of each product (the rows of qt, kt it contracts over; the rows of the result),
-    # never on the [C, C] gradients, which stay one unmasked operand for every block.
+    # Column side first, then row side: two accumulators live at a time rather than three.
     qt, kt = x.q * dec.row_factor, x.k * dec.row_factor
     dyk = jnp.zeros_like(x.q)
     with score_products():
         for i, col_factor in column_blocks(dec, dense=dense):
             on_block = dec.row_block == i
-            dyk = dyk + (mm_tn(daqk, jnp.where(on_block, qt, 0.0))
-                         + mm_tn(dakk, jnp.where(on_block, kt, 0.0))) * col_factor
+            dyk = dyk + (mm_tn(jnp.where(on_block, daqk, 0.0), qt)
+                         + mm_tn(jnp.where(on_block, dakk, 0.0), kt)) * col_factor
         dqt = dkt = jnp.zeros_like(x.q)
         for i, col_factor in column_blocks(dec, dense=dense):
             on_block = dec.row_block == i
             kc = x.k * col_factor
-            dqt = dqt + jnp.where(on_block, mm(daqk, kc), 0.0)
-            dkt = dkt + jnp.where(on_block, mm(dakk, kc), 0.0)
+            dqt, dkt = dqt + mm(jnp.where(on_block, daqk, 0.0), kc), dkt + mm(jnp.where(on_block, dakk, 0.0), kc)
     dxq, dxk = dqt * dec.row_factor, dkt * dec.row_factor
     if not dense:
         for b in range(size // ROWS):
