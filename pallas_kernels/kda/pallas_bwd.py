@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
-from pallas_kernels.kda.pallas_fwd import (chunk_tile, chunk_vector, compiler_params, input_specs, intra_precision,
+from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, input_specs, intra_precision,
                                            operand_cast, ref_chunk, saved_state_dtype, scan_load, sequence_specs,
                                            with_precision)
 

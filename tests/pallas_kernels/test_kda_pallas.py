@@ -6,6 +6,8 @@ in seconds; the 64-token chunks of the GPU path run under the `slow` mark. Both 
 Pallas' TPU interpreter).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,13 @@ def _run(backend, x, g_min, chunk_size, segment_ids, cotangent_seed=1):
     do = jnp.asarray(rng.standard_normal(o.shape, np.float32), o.dtype)
     ds = jnp.asarray(rng.standard_normal(state.shape, np.float32))
     return dict(zip(NAMES, (o, state, *vjp((do, ds)))))
+
+
+def _interpret_with(monkeypatch, tuning):
+    """backend="interpret" runs the GPU kernels with this launch tuning for the rest of the test."""
+    kernels = functools.partial(kda_pallas, interpret=True, tuning=tuning)
+    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(
+        jax.jit(kernels, static_argnames=api._KERNEL_STATIC)))
 
 
 def _compare(x, g_min, chunk_size, segment_ids, tol, backend="interpret"):
@@ -116,12 +125,8 @@ def test_interpret_chunk64_bf16(backend, seq_len, gate, g_min):
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
 def test_separate_output_kernel_matches_reference(monkeypatch, gate, g_min):
     # Tuning(separate_output=True): states scanned alone, o from the stored states in a parallel kernel.
-    import functools
-
     from pallas_kernels.kda.pallas_fwd import Tuning
-    split = functools.partial(kda_pallas, interpret=True, tuning=Tuning(separate_output=True))
-    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(
-        jax.jit(split, static_argnames=api._KERNEL_STATIC)))
+    _interpret_with(monkeypatch, Tuning(separate_output=True))
     x = random_inputs(5, batch=2, seq_len=40, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
                       g_min=-5.0)
     _compare(x, g_min, 16, _segments(2, 40), tol=1e-5)
@@ -134,23 +139,15 @@ def test_separate_output_kernel_matches_reference(monkeypatch, gate, g_min):
 def test_low_precision_scans_meet_the_bf16_bars(monkeypatch, separate_output):
     # Tuning(scan_low_precision=True): the scans multiply with the state, v_new and dS rounded to bf16 (fp32
     # accumulation, fp32 state); with bf16 inputs the results must stay within the issue's bf16 bars.
-    import functools
-
     from pallas_kernels.kda.pallas_fwd import Tuning
-    tuning = Tuning(scan_low_precision=True, separate_output=separate_output)
-    low = functools.partial(kda_pallas, interpret=True, tuning=tuning)
-    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(
-        jax.jit(low, static_argnames=api._KERNEL_STATIC)))
+    _interpret_with(monkeypatch, Tuning(scan_low_precision=True, separate_output=separate_output))
     x = random_inputs(6, batch=1, seq_len=80, heads=1, value_heads=2, key_dim=16, value_dim=16, gate="bounded",
                       g_min=-5.0, dtype=jnp.bfloat16)
     tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, -5.0, 16, _segments(1, 80), tol=tol)
     # The option really changes the products: the outputs differ from the fp32-operand scans'.
     low_o = _run("interpret", x, -5.0, 16, None)["o"]
-    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(jax.jit(
-        functools.partial(kda_pallas, interpret=True,
-                          tuning=Tuning(scan_low_precision=False, separate_output=separate_output)),
-        static_argnames=api._KERNEL_STATIC)))
+    _interpret_with(monkeypatch, Tuning(scan_low_precision=False, separate_output=separate_output))
     assert not np.array_equal(np.asarray(low_o, np.float32), np.asarray(_run("interpret", x, -5.0, 16, None)["o"],
                                                                         np.float32))
 
@@ -161,8 +158,6 @@ def test_channel_tiled_kernels_match_reference(monkeypatch, gate, g_min, split):
     # Tuning(intra_tile=8): the per-chunk forward and the score backward loop over two 8-channel key and value tiles
     # (the GPU default takes 32 of 128); split: the forward as scores + per-tile output kernels. GVA, documents, an
     # initial state and a padded length, fp32.
-    import functools
-
     from pallas_kernels.kda import pallas_bwd, pallas_fwd
     traced = []
     forward = "_score_kernel" if split else "_tiled_intra_kernel"
@@ -170,10 +165,7 @@ def test_channel_tiled_kernels_match_reference(monkeypatch, gate, g_min, split):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: traced.append((_n, kw["tile"])) or
                             _k(*a, **kw))
-    tuning = pallas_fwd.Tuning(intra_tile=8, split_intra=split)
-    tiled = functools.partial(kda_pallas, interpret=True, tuning=tuning)
-    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(
-        jax.jit(tiled, static_argnames=api._KERNEL_STATIC)))
+    _interpret_with(monkeypatch, pallas_fwd.Tuning(intra_tile=8, split_intra=split))
     x = random_inputs(8, batch=1, seq_len=45, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
                       g_min=-5.0)
     _compare(x, g_min, 16, _segments(1, 45), tol=1e-5)
@@ -185,12 +177,8 @@ def test_channel_tiled_kernels_match_reference(monkeypatch, gate, g_min, split):
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
 def test_bf16_operands_in_the_per_chunk_kernels_meet_the_bf16_bars(monkeypatch, operands, gate, g_min):
     # Tuning(intra_operands=operands): per-chunk matmuls on bf16 operands (fp32 accumulation) for bf16 inputs.
-    import functools
-
     from pallas_kernels.kda.pallas_fwd import Tuning
-    low = functools.partial(kda_pallas, interpret=True, tuning=Tuning(intra_operands=operands))
-    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(
-        jax.jit(low, static_argnames=api._KERNEL_STATIC)))
+    _interpret_with(monkeypatch, Tuning(intra_operands=operands))
     x = random_inputs(7, batch=1, seq_len=200, heads=1, value_heads=2, key_dim=32, value_dim=32, gate=gate,
                       g_min=-5.0, dtype=jnp.bfloat16)
     tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
@@ -203,14 +191,10 @@ def test_bf16_ungrouped_path_writes_input_dtypes_and_16_bit_residuals(monkeypatc
     # kernel, 16-bit per-chunk states and state gradients kept for the backward (scan_low_precision), the saved
     # scores in bf16 when every per-chunk product takes bf16 operands, and gradients written in the inputs' dtypes
     # by the kernels. Still within the bf16 bars.
-    import functools
-
     from pallas_kernels.kda import pallas_fwd
     from pallas_kernels.kda.pallas_fwd import Tuning
     tuning = Tuning(intra_operands=operands)
-    low = functools.partial(kda_pallas, interpret=True, tuning=tuning)
-    monkeypatch.setitem(api.BACKENDS, "interpret", api._whole_chunks(
-        jax.jit(low, static_argnames=api._KERNEL_STATIC)))
+    _interpret_with(monkeypatch, tuning)
     x = random_inputs(9, batch=1, seq_len=150, heads=2, value_heads=2, key_dim=32, value_dim=32, gate="bounded",
                       g_min=-5.0, dtype=jnp.bfloat16)
     tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
