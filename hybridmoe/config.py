@@ -115,6 +115,8 @@ class MLAConfig:
     use_rope: bool = False  # NoPE by default: KDA layers carry position
     rope_base: float = 10000.0
     output_gate: bool = True
+    # "xla" (reference), "cudnn" (GPU), "pallas" (TPU: splash to 64K tokens, index-masked flash beyond),
+    # "pallas_flash" (TPU, index-masked flash at any length); "*_interpret": Pallas' TPU interpreter
     backend: str = "xla"
     # cudnn backend: documents per row it can express (rows with more come back NaN). cuDNN's packed
     # backward keeps a workspace per segment slot, about 6 KiB per token and slot at 8 heads x 192:
@@ -130,7 +132,8 @@ class MLAConfig:
             _fail(name, "rope_base", self.rope_base, "> 1")
         if self.use_rope and self.qk_rope_head_dim % 2:
             _fail(name, "qk_rope_head_dim", self.qk_rope_head_dim, "even when use_rope=True")
-        _check_in(name, "backend", self.backend, ("xla", "cudnn", "pallas", "pallas_interpret"))
+        _check_in(name, "backend", self.backend, ("xla", "cudnn", "pallas", "pallas_interpret",
+                                                        "pallas_flash", "pallas_flash_interpret"))
         _check_positive(name, max_segments=self.max_segments)
 
 

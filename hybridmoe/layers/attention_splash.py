@@ -1,11 +1,15 @@
-"""Pallas splash attention for MLA on TPU, with packed documents (DESIGN §2, §3.2).
+"""MLA's attention on TPU, with packed documents (DESIGN §2, §3.2, §3.6).
 
-JAX's Mosaic TPU splash-attention kernels (`jax.experimental.pallas.ops.tpu.splash_attention`) take a
-static block-sparse mask (causal here) and segment ids, which they AND with it, so packed documents never
-attend to each other; fully masked key blocks are skipped, so causal attention costs half the blocks.
-Registered as MLAConfig.backend "pallas" (Mosaic TPU) and "pallas_interpret" (Pallas' TPU interpreter on
-any platform: the CPU tests). Query and key head widths may differ from the value width (MLA's 192 / 128).
-Not yet compiled or timed on a TPU.
+Two Mosaic TPU kernels. Up to SPLASH_MAX_LENGTH tokens, JAX's splash attention
+(`jax.experimental.pallas.ops.tpu.splash_attention`): a static block-sparse mask (causal here) ANDed with
+segment ids, fully masked key blocks skipped. Its mask tables are built on the host, one entry per block pair,
+so at 256K and beyond they take minutes to build and outgrow the core's scalar memory; longer rows go to
+`pallas_kernels.attention.flash_tpu`, whose masks come from indices and whose block skipping follows the
+documents as well as causality.
+
+MLAConfig.backend "pallas" picks between them by length; "pallas_flash" is always the index-masked kernel;
+the "_interpret" forms run Pallas' TPU interpreter on any platform (the CPU tests). Query and key head widths
+may differ from the value width (MLA's 192 / 128). Lowered for TPU targets, not compiled by a TPU or timed.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention.flash_tpu import flash_attention
+
 BLOCK = 512  # query / key tile (smaller rows are padded up to a multiple of 128)
+SPLASH_MAX_LENGTH = 65536  # longest row given to splash (lowered at 8K and 64K; 256K took minutes to build)
 
 
 def _tile(t: int) -> tuple[int, int]:
@@ -63,9 +70,17 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     return jnp.swapaxes(out[:, :, :t], 1, 2).astype(v.dtype)
 
 
+def tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, scale: float, *,
+                  interpret: bool = False) -> jax.Array:
+    """Splash attention up to SPLASH_MAX_LENGTH tokens, the index-masked flash kernel beyond."""
+    attend = splash_attention if q.shape[1] <= SPLASH_MAX_LENGTH else flash_attention
+    return attend(q, k, v, segment_ids, scale, interpret=interpret)
+
+
 def register() -> None:
-    """Adds "pallas" and "pallas_interpret" to the MLA backend table (idempotent)."""
+    """Adds "pallas", "pallas_flash" and their "_interpret" forms to the MLA backend table (idempotent)."""
     from hybridmoe.layers import mla
-    mla.ATTENTION_BACKENDS.setdefault("pallas", splash_attention)
-    mla.ATTENTION_BACKENDS.setdefault("pallas_interpret", functools.partial(splash_attention, interpret=True))
+    for name, attend in (("pallas", tpu_attention), ("pallas_flash", flash_attention)):
+        mla.ATTENTION_BACKENDS.setdefault(name, attend)
+        mla.ATTENTION_BACKENDS.setdefault(f"{name}_interpret", functools.partial(attend, interpret=True))
 

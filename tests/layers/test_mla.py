@@ -197,8 +197,8 @@ def test_unknown_backend_is_an_error_naming_the_available_ones(monkeypatch):
     monkeypatch.delitem(mla.ATTENTION_BACKENDS, "pallas")  # a build without the splash module
     cfg = _cfg(backend="pallas")
     x = jnp.zeros((2, 8, D_MODEL))
-    with pytest.raises(ValueError, match=r"MLAConfig.backend='pallas' is not available in this build; "
-                                         r"use 'cudnn', 'pallas_interpret', 'xla'"):
+    with pytest.raises(ValueError, match=r"MLAConfig.backend='pallas' is not available in this build; use 'cudnn', "
+                                         r"'pallas_flash', 'pallas_flash_interpret', 'pallas_interpret', 'xla'"):
         _init(cfg, x)
 
 
