@@ -18,14 +18,14 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments.bench_kda import G_MIN, numpy_inputs  # also defines --repeats (timed calls, median reported)
+# bench_kda also defines --repeats (timed calls, median reported) and --tunings (';'-separated; empty: base)
+from experiments.bench_kda import G_MIN, numpy_inputs
 
 FLAGS = flags.FLAGS
 STAGES = ("intra_fwd", "state_fwd", "state_bwd", "state_side_bwd", "score_bwd", "input_bwd", "fwd_total",
           "fwdbwd_total")
 flags.DEFINE_string("shape", "1x32768x16x128", "BxTxHxD (K = V = D, HV = H).")
 flags.DEFINE_list("gates", ["bounded", "unbounded"], "bounded (g_min = -5) and/or unbounded.")
-flags.DEFINE_string("tunings", "base", "';'-separated tunings, each 'base' or 'field=value,field=value'.")
 flags.DEFINE_string("out", "", "Output prefix (OUT.json, OUT.md); empty: print only.")
 flags.DEFINE_list("stages", list(STAGES), "Which kernel groups (and totals) to time.")
 flags.DEFINE_bool("interpret", False, "Interpret the kernels (a CPU smoke run of this script; times mean nothing).")
@@ -143,7 +143,7 @@ def main(argv):
     import jax
     shape = tuple(int(s) for s in FLAGS.shape.split("x"))
     rows = []
-    for text in FLAGS.tunings.split(";"):
+    for text in (FLAGS.tunings or "base").split(";"):
         tuning = parse_tuning(text)
         for gate in FLAGS.gates:
             start = time.perf_counter()

@@ -10,7 +10,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import pallas_blocks as blk
-from pallas_kernels.kda.pallas_blocks import ROWS
+from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, pairwise_grads, score_products
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
 from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, input_specs, intra_precision,
                                            operand_cast, ref_chunk, saved_state_dtype, scan_load, sequence_specs,
@@ -126,6 +126,88 @@ def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_re
 
 
 @with_precision
+def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_ref, dakk_ref, dkb_ref,
+                                 dqp_ref, dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense):
+    """backward_inputs one 16-row block at a time, last block first, writing each block's rows of dq, dk, dg.
+
+    Row side of block b (its queries and keys against earlier columns): [R, C] score-gradient rows times the [C, Kt]
+    keys anchored at the block's first row. Column side (its keys against later rows): [C, R] score-gradient
+    columns, transposed, times [C, Kt] queries and keys anchored at the block's last row (every factor <= 1 off the
+    diagonal block; on it, under the bound, <= e^(15 |g_min|)). Every product is [R, C] x [C, Kt], a quarter of
+    the masked [C, C] x [C, Kt] ones of the whole-tile kernel, and only [R, Kt] results are live. The suffix sums of
+    dg cross blocks through a [1, Kt] carry. Unbounded: the diagonal blocks pair by pair, as in the whole-tile kernel.
+    """
+    size, key_tile = q_ref.shape
+    x = ref_chunk(q_ref, k_ref, None, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
+    gam = cumsum_rows(x.g)
+    rows_c = lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+    g_last = blk.row(gam, size - 1)[None, :]
+    carried = jnp.where(x.doc_last == x.doc_in, jnp.exp(g_last), 0.0)
+    dd = dd_ref[...][None, :]
+    kd_term = x.k * jnp.where(x.in_last, jnp.exp(g_last - gam), 0.0) * dkd_ref[...]
+    load = lambda ref, rows, cols=slice(None): ref[rows, cols].astype(_F32)  # noqa: E731
+    suffix = jnp.zeros((1, key_tile), _F32)  # sum of dgam over the rows of later blocks
+    for b in reversed(range(size // ROWS)):
+        start, end = b * ROWS, (b + 1) * ROWS
+        rows = pl.ds(start, ROWS)
+        g_b = load(g_ref, rows)
+        local = cumsum_rows(g_b) - blk.row(g_b, 0)[None, :]  # gam - a on the block's rows, <= 0
+        a = blk.row(gam, start)[None, :]
+        gam_b = a + local
+        # row side
+        on_diag = (lax.broadcasted_iota(jnp.int32, (ROWS, size), 1)
+                   == lax.broadcasted_iota(jnp.int32, (ROWS, size), 0) + start)
+        daqk_rows = load(daqk_ref, rows)
+        diag = jnp.sum(jnp.where(on_diag, daqk_rows, 0.0), axis=1)[:, None]
+        limit = end if dense else start
+        if limit:
+            kc = x.k * jnp.exp(jnp.where(rows_c < limit, a - gam, -jnp.inf))
+            with score_products():
+                dqt = mm(jnp.where(on_diag, 0.0, daqk_rows), kc)
+                dkt = mm(load(dakk_ref, rows), kc)
+            row_factor = jnp.exp(local)
+            dxq, dxk = dqt * row_factor, dkt * row_factor
+        else:
+            dxq = dxk = jnp.zeros((ROWS, key_tile), _F32)
+        # column side
+        first = start if dense else end
+        if first < size:
+            e = blk.row(gam, end - 1)[None, :]
+            later = jnp.exp(jnp.where(rows_c >= first, gam - e, -jnp.inf))
+            on_diag_t = (lax.broadcasted_iota(jnp.int32, (size, ROWS), 0)
+                         == lax.broadcasted_iota(jnp.int32, (size, ROWS), 1) + start)
+            with score_products():
+                dy = (mm_tn(jnp.where(on_diag_t, 0.0, load(daqk_ref, slice(None), rows)), x.q * later)
+                      + mm_tn(load(dakk_ref, slice(None), rows), x.k * later))
+            dyk = dy * jnp.exp(e - gam_b)
+        else:
+            dyk = jnp.zeros((ROWS, key_tile), _F32)
+        q_b, k_b = load(q_ref, rows) * scale, load(k_ref, rows)
+        if not dense:
+            eye = lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0) == lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 1)
+            daqk_bb = jnp.where(eye, 0.0, load(daqk_ref, rows, rows))
+            (dq_p, dk_p), dy_p = pairwise_grads((daqk_bb, load(dakk_ref, rows, rows)), (q_b, k_b), k_b,
+                                                cumsum_rows(g_b))
+            dxq, dxk, dyk = dxq + dq_p, dxk + dk_p, dyk + dy_p
+        doc_b = doc_ref[rows]
+        beta_b = beta_ref[rows].astype(_F32)[:, None]
+        decay_in = jnp.where((doc_b == x.doc_in)[:, None], jnp.exp(gam_b), 0.0)
+        kd_scale = jnp.where((doc_b == x.doc_last)[:, None], jnp.exp(g_last - gam_b), 0.0)
+        dqp_b, dkb_b, dkd_b = load(dqp_ref, rows), load(dkb_ref, rows), load(dkd_ref, rows)
+        dq = dxq + diag * k_b + decay_in * dqp_b
+        dk = dyk + dxk + diag * q_b + beta_b * decay_in * dkb_b + kd_scale * dkd_b
+        dgam = q_b * dxq + k_b * (dxk - dyk) + (beta_b * k_b * dkb_b + q_b * dqp_b) * decay_in
+        kd_b = k_b * kd_scale * dkd_b
+        before = jnp.sum(jnp.where(rows_c < start, kd_term, 0.0), axis=0)[None, :]
+        block_sum = jnp.sum(dgam, axis=0)[None, :]
+        dg = carried * dd + suffix + block_sum - cumsum_rows(dgam) + dgam + before + cumsum_rows(kd_b) - kd_b
+        suffix = suffix + block_sum
+        dq_ref[rows, :] = (dq * scale).astype(dq_ref.dtype)
+        dk_ref[rows, :] = dk.astype(dk_ref.dtype)
+        dg_ref[rows, :] = dg
+
+
+@with_precision
 def _tiled_score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, akk_ref, t_ref, w_ref, u_ref,
                              do_ref, du_ref, dqp_ref, dw_ref, daqk_ref, dakk_ref, dkb_ref, dv_ref, dbeta_ref, *, tile):
     """backward_scores `tile` channels at a time: value tiles (dv, and their share of dAqk, dL, dbeta), then key
@@ -232,8 +314,9 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
     rows = pl.BlockSpec((None, chunk, None), lambda n, h, j: (n, 0, h))
     doc_spec = pl.BlockSpec((None, chunk), lambda n, h, j: (n, 0))
     dd_spec = pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))
+    kernel = _row_block_input_grad_kernel if tuning.input_bwd_rows else _input_grad_kernel
     dq, dk, dg = pl.pallas_call(
-        functools.partial(_input_grad_kernel, scale=scale, dense=dense,
+        functools.partial(kernel, scale=scale, dense=dense,
                           precision=intra_precision(tuning, precision, q.dtype)),
         grid=(chunks, value_heads, key_dim // kt),
         in_specs=[qk, qk, head_k, rows, doc_spec, doc_spec, scores, scores, tile_k, tile_k, tile_k, dd_spec],

@@ -58,6 +58,9 @@ class Tuning:
     # tiles), "bf16_scores" (bf16 in the decayed-score products and their gradients only) or "bf16" (every product;
     # the one-hot block moves stay exact). fp32 accumulation throughout. Errors: benchmarks/notes_kda.md. Not timed.
     intra_operands: str = "tf32"
+    # Input backward one 16-row block at a time ([R, C] x [C, Kt] products, a quarter of the masked whole-tile
+    # ones' multiply-adds, [R, Kt] results live); False: whole [C, Kt] tiles. Not yet timed on a GPU.
+    input_bwd_rows: bool = False
 
     @classmethod
     def from_string(cls, text):
