@@ -1,4 +1,5 @@
-"""MLA's TPU path: Pallas splash attention (in Pallas' TPU interpreter) against the XLA reference."""
+"""MLA's TPU path: Pallas splash attention (in Pallas' TPU interpreter) against the XLA reference; the layer also
+with the index-masked flash kernel (its own tests: tests/pallas_kernels/test_flash_tpu.py)."""
 
 import dataclasses
 
@@ -53,12 +54,14 @@ def test_bf16_close_to_the_fp32_reference():
     assert float(jnp.sqrt(jnp.mean((got - want) ** 2))) < 0.01
 
 
-def test_mla_layer_on_the_pallas_interpreter_matches_xla():
+@pytest.mark.parametrize("backend", ["pallas_interpret", "pallas_flash_interpret"])
+def test_mla_layer_on_the_pallas_interpreter_matches_xla(backend):
+    # splash (the "pallas" backend at this length) and the index-masked flash kernel, in the MLA layer
     cfg = MLAConfig(num_heads=2, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((B, 136, 24)), jnp.float32)
     ids = jnp.asarray(np.repeat([[0] * 50 + [1] * 86], B, axis=0))
     xla = MLA(cfg, 24)
     variables = xla.init(jax.random.PRNGKey(0), x[:, :8])
-    splash = MLA(dataclasses.replace(cfg, backend="pallas_interpret"), 24)
-    np.testing.assert_allclose(splash.apply(variables, x, segment_ids=ids), xla.apply(variables, x, segment_ids=ids),
+    tpu = MLA(dataclasses.replace(cfg, backend=backend), 24)
+    np.testing.assert_allclose(tpu.apply(variables, x, segment_ids=ids), xla.apply(variables, x, segment_ids=ids),
                                rtol=1e-5, atol=1e-5)
