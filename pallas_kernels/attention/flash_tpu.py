@@ -13,7 +13,8 @@ So a row of packed documents costs the blocks inside each document's causal tria
 (packing writes them so) and a superset otherwise; the in-kernel mask keeps any order of ids correct.
 
 Three kernels (forward; key/value gradients; query gradients), grids (batch, head, block, block) with the last
-axis sequential. Query/key width may differ from the value width (MLA: 192 / 128). Pallas' TPU interpreter runs
+axis sequential. The grid spans every block pair; a skipped step repeats its block indices (no copy) and runs no
+vector work, but still costs a grid step, which at 1M tokens and 512-row tiles is half of the 4M steps per head. Query/key width may differ from the value width (MLA: 192 / 128). Pallas' TPU interpreter runs
 them on any platform (the CPU tests); on a TPU they have been lowered (experiments/lower_attention_tpu.py), not
 compiled by libtpu or timed.
 """
