@@ -114,47 +114,68 @@ def element(x, i):
     return jnp.sum(jnp.where(_iota(x.shape, 0) == i, x, 0))
 
 
-def _pair_decay(gam, c):
-    """[R, K] e^(gam[a] - gam[c]) for rows a >= c, 0 above. Masking the exponent, not the exponential: rows above c
-    would overflow for an unbounded gate."""
-    return jnp.exp(jnp.where(_iota(gam.shape, 0) >= c, gam - row(gam, c)[None, :], -jnp.inf))
+def _pair_decay(gam, anchor, c):
+    """[R, K] e^(gam[a] - anchor) for rows a >= c, 0 above (anchor: gam[c], [1, K]). Masking the exponent, not the
+    exponential: rows above c would overflow for an unbounded gate."""
+    return jnp.exp(jnp.where(_iota(gam.shape, 0) >= c, gam - anchor, -jnp.inf))
 
 
-def pairwise_columns(xs, y, gam):
+def _column_rows(y, gam, rows, c, anchor):
+    """Row c of y and gam ([1, K] each): masked sums over the block (rows None), or rows(c) -> (y[c], g[c]) loaded
+    from memory with gam[c] = anchor + g[c] carried from the previous column (columns in increasing order)."""
+    if rows is None:
+        return row(y, c)[None, :], row(gam, c)[None, :]
+    y_c, g_c = rows(c)
+    return y_c.astype(_F32), anchor + g_c.astype(_F32)
+
+
+def pairwise_columns(xs, y, gam, rows=None):
     """Exact diagonal block: [sum_d x[a, d] y[c, d] e^(gam[a, d] - gam[c, d])]_{a >= c} for each x in xs.
 
-    xs: tuple of [R, K]; y, gam: [R, K]. Returns a tuple of [R, R] (zero above the diagonal). One column per loop step
-    (a loop, not unrolled: small kernels compile faster): the decay tensor e^(gam_a - gam_c) is [R, R, K], too large
-    to hold at once.
+    xs: tuple of [R, K]; y, gam: [R, K], gam the cumulative sum over rows of the block's g. Returns a tuple of [R, R]
+    (zero above the diagonal). One column per loop step (a loop, not unrolled: small kernels compile faster): the
+    decay tensor e^(gam_a - gam_c) is [R, R, K], too large to hold at once. rows: None, or rows(c) -> (y[c], g[c])
+    as [1, K] loads, which replace two masked reductions over the block per column (see _column_rows).
     """
-    rows = gam.shape[0]
-    col_ids = _iota((rows, rows), 1)
-
-    def column(c, out):
-        y_c = row(y, c)[None, :] * _pair_decay(gam, c)
-        return tuple(o + jnp.where(col_ids == c, jnp.sum(x * y_c, axis=1)[:, None], 0.0) for o, x in zip(out, xs))
-
-    return lax.fori_loop(0, rows, column, tuple(jnp.zeros((rows, rows), _F32) for _ in xs))
-
-
-def pairwise_grads(dscores, xs, y, gam):
-    """Backward of pairwise_columns: for each (dA, x), dx [R, K]; and dy [R, K] summed over the pairs."""
-    rows = gam.shape[0]
+    size = gam.shape[0]
+    col_ids = _iota((size, size), 1)
 
     def column(c, carry):
-        dxs, dy = carry
-        decay = _pair_decay(gam, c)
-        y_c = row(y, c)[None, :] * decay
+        out, anchor = carry
+        y_c, anchor = _column_rows(y, gam, rows, c, anchor)
+        y_c = y_c * _pair_decay(gam, anchor, c)
+        out = tuple(o + jnp.where(col_ids == c, jnp.sum(x * y_c, axis=1)[:, None], 0.0) for o, x in zip(out, xs))
+        return out, anchor
+
+    zeros = tuple(jnp.zeros((size, size), _F32) for _ in xs)
+    return lax.fori_loop(0, size, column, (zeros, jnp.zeros((1, gam.shape[1]), _F32)))[0]
+
+
+def pairwise_grads(dscores, xs, y, gam, rows=None, columns=None):
+    """Backward of pairwise_columns: for each (dA, x), dx [R, K]; and dy [R, K] summed over the pairs.
+
+    rows as in pairwise_columns; columns: None, or columns(c) -> one [R, 1] column of each dA (as the dscores, the
+    diagonal entry included), loaded instead of extracted by a masked reduction."""
+    size = gam.shape[0]
+
+    def column(c, carry):
+        dxs, dy, anchor = carry
+        y_c, anchor = _column_rows(y, gam, rows, c, anchor)
+        decay = _pair_decay(gam, anchor, c)
+        y_c = y_c * decay
+        da_cols = [col(da, c)[:, None] for da in dscores] if columns is None else [
+            a.astype(_F32) for a in columns(c)]
         dy_c = 0.0
         new_dxs = []
-        for dx, da, x in zip(dxs, dscores, xs):
-            da_c = col(da, c)[:, None]
+        for dx, da_c, x in zip(dxs, da_cols, xs):
             new_dxs.append(dx + da_c * y_c)
             dy_c = dy_c + jnp.sum(da_c * x * decay, axis=0)
-        return tuple(new_dxs), dy + jnp.where(_iota(gam.shape, 0) == c, dy_c[None, :], 0.0)
+        return tuple(new_dxs), dy + jnp.where(_iota(gam.shape, 0) == c, dy_c[None, :], 0.0), anchor
 
     zeros = jnp.zeros_like(gam)
-    return lax.fori_loop(0, rows, column, (tuple(zeros for _ in xs), zeros))
+    dxs, dy, _ = lax.fori_loop(0, size, column, (tuple(zeros for _ in xs), zeros,
+                                                 jnp.zeros((1, gam.shape[1]), _F32)))
+    return dxs, dy
 
 
 def nilpotent_inverse(n, order):

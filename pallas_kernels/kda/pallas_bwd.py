@@ -186,8 +186,13 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
         if not dense:
             eye = lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0) == lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 1)
             daqk_bb = jnp.where(eye, 0.0, load(daqk_ref, rows, rows))
+            eye_col = lax.broadcasted_iota(jnp.int32, (ROWS, 1), 0)
+            row_loads = lambda c: (k_ref[pl.ds(start + c, 1), :], g_ref[pl.ds(start + c, 1), :])  # noqa: E731
+            col_loads = lambda c: (  # noqa: E731
+                jnp.where(eye_col == c, 0.0, load(daqk_ref, rows, pl.ds(start + c, 1))),
+                load(dakk_ref, rows, pl.ds(start + c, 1)))
             (dq_p, dk_p), dy_p = pairwise_grads((daqk_bb, load(dakk_ref, rows, rows)), (q_b, k_b), k_b,
-                                                cumsum_rows(g_b))
+                                                cumsum_rows(g_b), rows=row_loads, columns=col_loads)
             dxq, dxk, dyk = dxq + dq_p, dxk + dk_p, dyk + dy_p
         doc_b = doc_ref[rows]
         beta_b = beta_ref[rows].astype(_F32)[:, None]

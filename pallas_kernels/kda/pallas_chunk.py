@@ -10,6 +10,7 @@ one product (dense); without it, the columns stop before the block and the diago
 blocks read from the refs (exact), then placed into the tile with exact (fp32 FMA) one-hot matmuls.
 """
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -134,14 +135,16 @@ def partial_scores(x: ChunkIn, dec: Decay, *, dense, with_diagonal=True):
     return aqk, akk
 
 
-def pairwise_diagonal(blocks, num_blocks):
+def pairwise_diagonal(blocks, num_blocks, rows=None):
     """The exact diagonal blocks [(Aqk_bb, Akk_bb)] ([R, R] each) of x's key channels, from blocks(b) -> (q_b, k_b,
     g_b) [R, K]. Only decay differences inside a block enter, so the block's own cumulative sum of g stands in for
-    the chunk's (no rows have to be moved out of a [C, K] tile)."""
+    the chunk's (no rows have to be moved out of a [C, K] tile). rows: None, or rows(b, c) -> (k, g) of the block's
+    row c as [1, K] loads (see pairwise_columns)."""
     out = []
     for b in range(num_blocks):
         q_b, k_b, g_b = blocks(b)
-        out.append(pairwise_columns((q_b, k_b), k_b, cumsum_rows(g_b)))
+        block_rows = None if rows is None else functools.partial(rows, b)
+        out.append(pairwise_columns((q_b, k_b), k_b, cumsum_rows(g_b), rows=block_rows))
     return out
 
 

@@ -178,7 +178,9 @@ def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
         if dense:
             return acc[0] + aqk, acc[1] + akk
         # Pairwise: the diagonal blocks are summed over key tiles as [R, R] blocks and placed once, after the loop.
-        diagonal = pairwise_diagonal(x.blocks, num_blocks)
+        cols = pl.ds(j * tile, tile)
+        rows = lambda b, c: (k_ref[pl.ds(b * ROWS + c, 1), cols], g_ref[pl.ds(b * ROWS + c, 1), cols])  # noqa: E731
+        diagonal = pairwise_diagonal(x.blocks, num_blocks, rows=rows)
         return (acc[0] + aqk, acc[1] + akk, *(a + d for a, d in zip(acc[2:], sum(map(tuple, diagonal), ()))))
 
     zeros = jnp.zeros((size, size), _F32)
