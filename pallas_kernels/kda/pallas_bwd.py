@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, pairwise_grads, score_products
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
-from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, input_specs, intra_precision,
+from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, input_bwd_rows, input_specs, intra_precision,
                                            operand_cast, ref_chunk, saved_state_dtype, scan_load, sequence_specs,
                                            with_precision)
 
@@ -81,10 +81,10 @@ def _state_side_kernel(s0_ref, ds_ref, v_new_ref, do_ref, dv_new_ref, dqp_ref, d
 
 def state_side_grads(s0, ds, v_new, do, dv_new, *, tuning, interpret, precision):
     """s0, ds: [BN, HV, K, V]; v_new, dv_new: [BN, HV, C, V]; do: [BN, C, HV, V]. Grid (chunks, value heads, key
-    tiles of `key_tile` channels). Returns dqp, dw, dkd: [BN, HV, C, K] and dd: [BN, HV, K] (fp32)."""
+    tiles of `state_side_tile` channels). Returns dqp, dw, dkd: [BN, HV, C, K] and dd: [BN, HV, K] (fp32)."""
     chunks, value_heads, key_dim, value_dim = s0.shape
     chunk = v_new.shape[2]
-    kt = min(tuning.key_tile, key_dim)
+    kt = min(tuning.state_side_tile, key_dim)
     state = pl.BlockSpec((None, None, kt, value_dim), lambda n, h, j: (n, h, j, 0))
     values = pl.BlockSpec((None, None, chunk, value_dim), lambda n, h, j: (n, h, 0, 0))
     do_spec = pl.BlockSpec((None, chunk, None, value_dim), lambda n, h, j: (n, 0, h, 0))
@@ -319,7 +319,7 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
     rows = pl.BlockSpec((None, chunk, None), lambda n, h, j: (n, 0, h))
     doc_spec = pl.BlockSpec((None, chunk), lambda n, h, j: (n, 0))
     dd_spec = pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))
-    kernel = _row_block_input_grad_kernel if tuning.input_bwd_rows else _input_grad_kernel
+    kernel = _row_block_input_grad_kernel if input_bwd_rows(tuning, dense) else _input_grad_kernel
     dq, dk, dg = pl.pallas_call(
         functools.partial(kernel, scale=scale, dense=dense,
                           precision=intra_precision(tuning, precision, q.dtype)),

@@ -32,8 +32,10 @@ class Tuning:
     # Value columns per program of the forward scan (more programs, less work each); the backward scan's, 0: the same.
     state_tile: int = 32
     state_grad_tile: int = 16
-    # Key channels per program of the backward kernels that are elementwise in the key channel.
+    # Key channels per program of the input backward (elementwise in the key channel after the score gradients) and
+    # of the state-side backward (dqp, dw, dkd: [C, V] x [V, Kt] products from the stored states).
     key_tile: int = 32
+    state_side_tile: int = 64
     # Key and value channels per step of the forward's per-chunk work, which loops over channel tiles (scores summed
     # over key tiles, then w, qp, kd per key tile and u, ol per value tile) so that only [C, tile] input tiles and the
     # [C, C] scores are live. 0: the whole-tile kernel (every [C, K] tile at once).
@@ -47,10 +49,11 @@ class Tuning:
     input_bwd_warps: int = 4
     state_side_warps: int = 4
     state_warps: int = 4
-    state_stages: int = 2
+    # Software-pipelining depth of the scans' chunk loops (Triton num_stages).
+    state_stages: int = 3
     # Scan only the states and compute o = ol + qp S from the stored states in a kernel parallel over chunks: two
     # matmuls and three loads per step on the serial path instead of three and five.
-    separate_output: bool = False
+    separate_output: bool = True
     # Multiply in the scans with the state (and v_new, dS) rounded to the stored intermediates' dtype (bf16 for bf16
     # inputs), accumulating in fp32; the state itself stays fp32. False: TF32 products of fp32 operands.
     scan_low_precision: bool = True
@@ -58,9 +61,12 @@ class Tuning:
     # tiles), "bf16_scores" (bf16 in the decayed-score products and their gradients only) or "bf16" (every product;
     # the one-hot block moves stay exact). fp32 accumulation throughout. Errors: benchmarks/notes_kda.md. Not timed.
     intra_operands: str = "tf32"
-    # Input backward one 16-row block at a time ([R, C] x [C, Kt] products, a quarter of the masked whole-tile
-    # ones' multiply-adds, [R, Kt] results live); False: whole [C, Kt] tiles. Not yet timed on a GPU.
-    input_bwd_rows: bool = False
+    # Input backward: "rows" (one 16-row block at a time: [R, C] x [C, Kt] products, a quarter of the masked whole-tile
+    # ones' multiply-adds, [R, Kt] results live), "tiles" (whole [C, Kt] tiles: masked [C, C] x [C, Kt] products,
+    # which Triton issues as warpgroup MMAs) or "auto": rows for the unbounded gate (the pairwise diagonal's
+    # gradients are per block anyway) and for bf16 score operands, tiles otherwise (the faster of the two in each
+    # case on the H100/H200, benchmarks/notes_kda.md v7).
+    input_bwd: str = "auto"
 
     @classmethod
     def from_string(cls, text):
@@ -77,6 +83,18 @@ class Tuning:
             default = getattr(tuning, name)
             changes[name] = bool(int(value)) if isinstance(default, bool) else type(default)(value)
         return dataclasses.replace(tuning, **changes)
+
+
+INPUT_BWD = ("auto", "rows", "tiles")
+
+
+def input_bwd_rows(tuning, dense):
+    """Whether the input backward runs by 16-row blocks (Tuning.input_bwd)."""
+    if tuning.input_bwd not in INPUT_BWD:
+        raise ValueError(f"Tuning.input_bwd must be one of {INPUT_BWD}, got {tuning.input_bwd!r}")
+    if tuning.input_bwd == "auto":
+        return not dense or tuning.intra_operands != "tf32"
+    return tuning.input_bwd == "rows"
 
 
 INTRA_OPERANDS = {"tf32": None, "bf16_scores": blk.BF16_SCORES, "bf16": blk.BF16_OPERANDS}

@@ -216,7 +216,7 @@ def test_bf16_ungrouped_path_writes_input_dtypes_and_16_bit_residuals(monkeypatc
 
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
 def test_row_block_input_backward_matches_reference(monkeypatch, gate, g_min):
-    # Tuning(input_bwd_rows=True): the input backward one 16-row block at a time, with 64-token chunks (four blocks:
+    # Tuning(input_bwd="rows"): the input backward one 16-row block at a time, with 64-token chunks (four blocks:
     # the row and column sides and the dg carry all cross blocks), GVA, documents starting inside blocks, an
     # initial state and a padded length, fp32; and its results against the whole-tile kernel's.
     from pallas_kernels.kda import pallas_bwd
@@ -225,14 +225,25 @@ def test_row_block_input_backward_matches_reference(monkeypatch, gate, g_min):
     kernel = pallas_bwd._row_block_input_grad_kernel
     monkeypatch.setattr(pallas_bwd, "_row_block_input_grad_kernel",
                         lambda *a, **kw: traced.append(kw["dense"]) or kernel(*a, **kw))
-    _interpret_with(monkeypatch, Tuning(input_bwd_rows=True, key_tile=8))
+    _interpret_with(monkeypatch, Tuning(input_bwd="rows", key_tile=8))
     x = random_inputs(10, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
                       g_min=-5.0)
     ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
     _compare(x, g_min, 64, ids, tol=1e-5)
     assert traced and set(traced) == {g_min is not None}
     rows = _run("interpret", x, g_min, 64, ids)
-    _interpret_with(monkeypatch, Tuning(key_tile=8))
+    _interpret_with(monkeypatch, Tuning(input_bwd="tiles", key_tile=8))
     whole = _run("interpret", x, g_min, 64, ids)
     for name in ("dq", "dk", "dg"):
         assert relative_rms_error(np.asarray(whole[name]), np.asarray(rows[name])) < 1e-6, name
+
+
+def test_input_backward_form_follows_the_gate_and_operands():
+    from pallas_kernels.kda.pallas_fwd import Tuning, input_bwd_rows
+    assert not input_bwd_rows(Tuning(), dense=True)  # bounded, TF32: whole tiles
+    assert input_bwd_rows(Tuning(), dense=False)  # unbounded: rows
+    assert input_bwd_rows(Tuning(intra_operands="bf16"), dense=True)
+    assert input_bwd_rows(Tuning(input_bwd="rows"), dense=True)
+    assert not input_bwd_rows(Tuning(input_bwd="tiles"), dense=False)
+    with pytest.raises(ValueError, match="input_bwd.*'row'"):
+        input_bwd_rows(Tuning(input_bwd="row"), dense=True)
