@@ -105,8 +105,10 @@ def _jax_fns(backend, bounded, tuning):
         return api.chunk_kda(q, k, v, g, beta, g_min=g_min, backend=backend, output_final_state=True)
 
     def grads(q, k, v, g, beta, do):
+        """o and the input gradients: o is returned so that a training step's whole forward is timed (a kernel that
+        only writes o, as with Tuning.separate_output, would otherwise be dropped as dead code)."""
         (o, _), vjp = jax.vjp(forward, q, k, v, g, beta)
-        return vjp((do, jnp.zeros((q.shape[0], v.shape[2], q.shape[3], v.shape[3]), jnp.float32)))
+        return o, vjp((do, jnp.zeros((q.shape[0], v.shape[2], q.shape[3], v.shape[3]), jnp.float32)))
 
     return jax.jit(lambda *a: forward(*a)[0]), jax.jit(grads), forward
 
@@ -147,7 +149,7 @@ def _verify_jax(backend, bounded, tuning, heads, dim):
     ref = reference_outputs(x, np.asarray(do, np.float32))
     _, grads, forward = _jax_fns(backend, bounded, tuning)
     o, state = forward(*args)
-    d = grads(*args, do)
+    _, d = grads(*args, do)
     out = dict(zip(("o", "state", "dq", "dk", "dv", "dg", "dbeta"), (o, state, *d)))
     out = {n: jnp.asarray(a, jnp.float32) for n, a in out.items()}
     return error_ratio(ref, out)
