@@ -13,8 +13,8 @@ from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, pairwise_grads, score_products
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
 from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, input_bwd_rows, input_specs, intra_precision,
-                                           operand_cast, ref_chunk, saved_state_dtype, scan_load, sequence_specs,
-                                           with_precision)
+                                           operand_cast, pairwise_width, ref_chunk, saved_state_dtype, scan_load,
+                                           sequence_specs, with_precision)
 
 _F32 = jnp.float32
 
@@ -127,7 +127,7 @@ def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_re
 
 @with_precision
 def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_ref, dakk_ref, dkb_ref,
-                                 dqp_ref, dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense):
+                                 dqp_ref, dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense, by_block=False):
     """backward_inputs one 16-row block at a time, last block first, writing each block's rows of dq, dk, dg.
 
     Row side of block b (its queries and keys against earlier columns): [R, C] score-gradient rows times the [C, Kt]
@@ -191,8 +191,13 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
             col_loads = lambda c: (  # noqa: E731
                 jnp.where(eye_col == c, 0.0, load(daqk_ref, rows, pl.ds(start + c, 1))),
                 load(dakk_ref, rows, pl.ds(start + c, 1)))
-            (dq_p, dk_p), dy_p = pairwise_grads((daqk_bb, load(dakk_ref, rows, rows)), (q_b, k_b), k_b,
-                                                cumsum_rows(g_b), rows=row_loads, columns=col_loads)
+            if by_block:
+                with score_products():
+                    (dq_p, dk_p), dy_p = blk.pairwise_block_grads((daqk_bb, load(dakk_ref, rows, rows)), (q_b, k_b),
+                                                                  k_b, cumsum_rows(g_b))
+            else:
+                (dq_p, dk_p), dy_p = pairwise_grads((daqk_bb, load(dakk_ref, rows, rows)), (q_b, k_b), k_b,
+                                                    cumsum_rows(g_b), rows=row_loads, columns=col_loads)
             dxq, dxk, dyk = dxq + dq_p, dxk + dk_p, dyk + dy_p
         doc_b = doc_ref[rows]
         beta_b = beta_ref[rows].astype(_F32)[:, None]
@@ -319,7 +324,9 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
     rows = pl.BlockSpec((None, chunk, None), lambda n, h, j: (n, 0, h))
     doc_spec = pl.BlockSpec((None, chunk), lambda n, h, j: (n, 0))
     dd_spec = pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))
-    kernel = _row_block_input_grad_kernel if input_bwd_rows(tuning, dense) else _input_grad_kernel
+    kernel = _input_grad_kernel
+    if input_bwd_rows(tuning, dense):  # by_block: the unbounded diagonal blocks as [R, R, Kt] (Tuning.pairwise)
+        kernel = functools.partial(_row_block_input_grad_kernel, by_block=pairwise_width(tuning, key_dim) > 0)
     dq, dk, dg = pl.pallas_call(
         functools.partial(kernel, scale=scale, dense=dense,
                           precision=intra_precision(tuning, precision, q.dtype)),

@@ -61,6 +61,11 @@ class Tuning:
     # tiles), "bf16_scores" (bf16 in the decayed-score products and their gradients only) or "bf16" (every product;
     # the one-hot block moves stay exact). fp32 accumulation throughout. Errors: benchmarks/notes_kda.md. Not timed.
     intra_operands: str = "tf32"
+    # Exact diagonal blocks of the unbounded gate: "columns" (a loop over the block's 16 columns, [R, Kt] work per
+    # step) or "block" (all pairs at once as [R, R, W] tensors, W = pairwise_width channels per step in the forward,
+    # the whole key tile in the row-block input backward: use key_tile <= 16 there).
+    pairwise: str = "columns"
+    pairwise_width: int = 8
     # Input backward: "rows" (one 16-row block at a time: [R, C] x [C, Kt] products, a quarter of the masked whole-tile
     # ones' multiply-adds, [R, Kt] results live), "tiles" (whole [C, Kt] tiles: masked [C, C] x [C, Kt] products,
     # which Triton issues as warpgroup MMAs) or "auto": rows for the unbounded gate (the pairwise diagonal's
@@ -83,6 +88,21 @@ class Tuning:
             default = getattr(tuning, name)
             changes[name] = bool(int(value)) if isinstance(default, bool) else type(default)(value)
         return dataclasses.replace(tuning, **changes)
+
+
+PAIRWISE = ("columns", "block")
+
+
+def pairwise_width(tuning, key_dim):
+    """Channels per step of the forward's block-form pairwise diagonal (Tuning.pairwise); 0: by columns."""
+    if tuning.pairwise not in PAIRWISE:
+        raise ValueError(f"Tuning.pairwise must be one of {PAIRWISE}, got {tuning.pairwise!r}")
+    if tuning.pairwise == "columns":
+        return 0
+    if tuning.pairwise_width < 1 or key_dim % tuning.pairwise_width:
+        raise ValueError(f"Tuning.pairwise_width must divide the key dimension {key_dim}, got "
+                         f"{tuning.pairwise_width}")
+    return tuning.pairwise_width
 
 
 INPUT_BWD = ("auto", "rows", "tiles")
@@ -185,15 +205,36 @@ def _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, cols, *, scale
                    blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b), block(g_ref, b)))
 
 
-def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile):
-    """Aqk, Akk (masked) and T = (I + diag(beta) Akk)^-1 [C, C] of a chunk, summing the scores over key tiles."""
+def _block_diagonal(q_ref, k_ref, g_ref, num_blocks, *, scale, width):
+    """The exact diagonal blocks [(Aqk_bb, Akk_bb)] as pairwise_block sums over `width`-channel slices read from the
+    refs."""
+    key_dim = q_ref.shape[1]
+    out = []
+    for b in range(num_blocks):
+        def add_slice(s, acc, b=b):
+            at = (pl.ds(b * ROWS, ROWS), pl.ds(s * width, width))
+            q_s, k_s, g_s = (ref[at].astype(_F32) for ref in (q_ref, k_ref, g_ref))
+            with blk.score_products():
+                aqk, akk = blk.pairwise_block((q_s * scale, k_s), k_s, blk.cumsum_rows(g_s))
+            return acc[0] + aqk, acc[1] + akk
+
+        zeros = jnp.zeros((ROWS, ROWS), _F32)
+        out.append(lax.fori_loop(0, key_dim // width, add_slice, (zeros, zeros)))
+    return out
+
+
+def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, pairwise_width=0):
+    """Aqk, Akk (masked) and T = (I + diag(beta) Akk)^-1 [C, C] of a chunk, summing the scores over key tiles.
+    pairwise_width: 0, the unbounded diagonal blocks column by column inside the key-tile loop; else by
+    `pairwise_width`-channel slices after it (_block_diagonal)."""
     size, key_dim = q_ref.shape
     num_blocks = size // ROWS
+    by_block = not dense and pairwise_width > 0
 
     def add_scores(j, acc):
         x = _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, pl.ds(j * tile, tile), scale=scale)
         aqk, akk = partial_scores(x, chunk_gates(x).dec, dense=dense, with_diagonal=False)
-        if dense:
+        if dense or by_block:
             return acc[0] + aqk, acc[1] + akk
         # Pairwise: the diagonal blocks are summed over key tiles as [R, R] blocks and placed once, after the loop.
         cols = pl.ds(j * tile, tile)
@@ -202,8 +243,11 @@ def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
         return (acc[0] + aqk, acc[1] + akk, *(a + d for a, d in zip(acc[2:], sum(map(tuple, diagonal), ()))))
 
     zeros = jnp.zeros((size, size), _F32)
-    blocks = () if dense else (jnp.zeros((ROWS, ROWS), _F32),) * (2 * num_blocks)
+    blocks = () if dense or by_block else (jnp.zeros((ROWS, ROWS), _F32),) * (2 * num_blocks)
     aqk, akk, *diagonal = lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros, *blocks))
+    if by_block:
+        diagonal = sum(map(tuple, _block_diagonal(q_ref, k_ref, g_ref, num_blocks, scale=scale,
+                                                  width=pairwise_width)), ())
     if not dense:
         diag_qk, diag_kk = place_diagonal(list(zip(diagonal[0::2], diagonal[1::2])), size)
         aqk, akk = aqk + diag_qk, akk + diag_kk
@@ -248,10 +292,11 @@ def _tiled_intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref,
 
 
 @with_precision
-def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, akk_ref, t_ref, *, scale, dense, tile):
+def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, akk_ref, t_ref, *, scale, dense, tile,
+                  pairwise_width):
     """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve."""
     aqk, akk, t = _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense,
-                                 tile=tile)
+                                 tile=tile, pairwise_width=pairwise_width)
     aqk_ref[...], akk_ref[...], t_ref[...] = aqk.astype(aqk_ref.dtype), akk.astype(akk_ref.dtype), t.astype(t_ref.dtype)
 
 
@@ -293,7 +338,8 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     specs = input_specs(chunk, key_dim, value_dim, group)
     square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), score_dtype(precision))
     aqk, akk, t = pl.pallas_call(
-        functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tile),
+        functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tile,
+                          pairwise_width=pairwise_width(tuning, key_dim)),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]],
         out_specs=[chunk_tile(chunk, chunk)] * 3,

@@ -6,6 +6,7 @@ in seconds; the 64-token chunks of the GPU path run under the `slow` mark. Both 
 Pallas' TPU interpreter).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -247,3 +248,37 @@ def test_input_backward_form_follows_the_gate_and_operands():
     assert not input_bwd_rows(Tuning(input_bwd="tiles"), dense=False)
     with pytest.raises(ValueError, match="input_bwd.*'row'"):
         input_bwd_rows(Tuning(input_bwd="row"), dense=True)
+
+
+def test_block_form_pairwise_diagonal_matches_reference(monkeypatch):
+    # Tuning(pairwise="block"): the unbounded gate's diagonal blocks as [R, R, W] pair tensors (forward: 8-channel
+    # slices; row-block input backward: the whole 8-channel key tile), 64-token chunks, GVA, documents inside
+    # blocks, an initial state, a padded length, fp32; and against the column-loop form.
+    from pallas_kernels.kda import pallas_blocks as blk
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    traced = []
+    for name in ("pairwise_block", "pairwise_block_grads"):
+        monkeypatch.setattr(blk, name, functools.partial(
+            lambda fn, name, *a: traced.append(name) or fn(*a), getattr(blk, name), name))
+    block = Tuning(pairwise="block", pairwise_width=8, key_tile=8, intra_tile=8, input_bwd="rows")
+    _interpret_with(monkeypatch, block)
+    x = random_inputs(11, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
+                      gate="softplus", g_min=None)
+    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
+    _compare(x, None, 64, ids, tol=1e-5)
+    assert set(traced) == {"pairwise_block", "pairwise_block_grads"}
+    got = _run("interpret", x, None, 64, ids)
+    _interpret_with(monkeypatch, dataclasses.replace(block, pairwise="columns"))
+    columns = _run("interpret", x, None, 64, ids)
+    for name in NAMES:
+        assert relative_rms_error(np.asarray(columns[name]), np.asarray(got[name])) < 1e-6, name
+
+
+def test_pairwise_tuning_is_checked():
+    from pallas_kernels.kda.pallas_fwd import Tuning, pairwise_width
+    assert pairwise_width(Tuning(), 128) == 0
+    assert pairwise_width(Tuning(pairwise="block", pairwise_width=16), 128) == 16
+    with pytest.raises(ValueError, match="pairwise_width must divide.*128, got 48"):
+        pairwise_width(Tuning(pairwise="block", pairwise_width=48), 128)
+    with pytest.raises(ValueError, match="pairwise must be one of"):
+        pairwise_width(Tuning(pairwise="pairs"), 128)
