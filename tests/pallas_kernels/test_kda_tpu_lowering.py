@@ -4,6 +4,8 @@ block tiling: last two block dims multiples of 8 and 128 or the array's own) run
 What this does not cover: the TPU compiler's own passes (layouts, VMEM allocation) run in libtpu, on a TPU only.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,7 +84,7 @@ def test_pallas_backend_picks_the_tpu_kernels_on_tpu(monkeypatch):
 
     def kernels():
         jaxpr = str(jax.make_jaxpr(lambda *a: chunk_kda(*a, g_min=-5.0, chunk_size=16, backend="pallas"))(*args))
-        return "kda_tpu_intra_fwd" in jaxpr, "kda_state_fwd" in jaxpr
+        return "kda_tpu_intra_fwd" in jaxpr, re.search(r"kda_states?_fwd", jaxpr) is not None  # GPU forward scan
 
     assert kernels() == (False, True)  # here (CPU): the GPU kernels' trace
     monkeypatch.setattr(api.jax, "default_backend", lambda: "tpu")
