@@ -96,7 +96,8 @@ def _jax_fns(backend, bounded, tuning):
 
     def forward(q, k, v, g, beta):
         if backend in ("pallas", "pallas-split"):  # the public op's pallas path, with this run's tuning
-            run_tuning = dataclasses.replace(tuning, separate_output=tuning.separate_output or backend == "pallas-split")
+            split = tuning.separate_output or backend == "pallas-split"
+            run_tuning = dataclasses.replace(tuning, separate_output=split)
             diagonal = api.kda_diagonal_path(g_min, 64)
             s0 = jnp.zeros((q.shape[0], v.shape[2], q.shape[3], v.shape[3]), jnp.float32)
             interpret = jax.default_backend() == "cpu"  # a CPU dry run of the script: interpret mode
