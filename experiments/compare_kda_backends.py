@@ -35,6 +35,7 @@ flags.DEFINE_string("pallas_backend", "pallas", "KDA backend of the third run ('
 flags.DEFINE_string("out", "", "Write OUT.json and OUT.md when set.")
 FLAGS = flags.FLAGS
 
+
 def train_losses(backend: str, dtype: str, workdir: str, seed: int = 0) -> list[float]:
     bindings = [f"TrainConfig.seed = {seed}", f"DataConfig.seed = {seed}",
                 f'KDAConfig.backend = "{backend}"', f'ModelConfig.dtype = "{dtype}"',
