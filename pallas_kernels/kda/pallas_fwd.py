@@ -61,6 +61,10 @@ class Tuning:
     # tiles), "bf16_scores" (bf16 in the decayed-score products and their gradients only) or "bf16" (every product;
     # the one-hot block moves stay exact). fp32 accumulation throughout. Errors: benchmarks/notes_kda.md. Not timed.
     intra_operands: str = "tf32"
+    # Forward without a backward (inference): o = (Q e^Gamma) S + Aqk v_new in the output kernel, as fla orders it, so
+    # the outputs kernel writes w, kd, u only (no qp, ol). Needs separate_output; the training forward keeps qp (the
+    # reverse scan reads it). Not yet timed on a GPU.
+    output_from_scores: bool = False
     # Exact diagonal blocks of the unbounded gate: "columns" (a loop over the block's 16 columns, [R, Kt] work per
     # step) or "block" (all pairs at once as [R, R, W] tensors, W = pairwise_width channels per step in the forward,
     # the whole key tile in the row-block input backward: use key_tile <= 16 there).
@@ -327,8 +331,21 @@ def _tile_outputs_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref
     _write_value_tile(v_ref, beta_ref, slice(None), aqk, t, u_ref, ol_ref)
 
 
+@with_precision
+def _lean_outputs_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, t_ref, w_ref, kd_ref, d_ref, u_ref):
+    """Inference forward, parts 2 and 3 (grid chunks x value heads x channel tiles, K = V): what the state scan reads
+    and nothing for o: key tile j's w, kd, D and value tile j's u."""
+    x = _tile_input(k_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, slice(None), scale=1.0)
+    gates = chunk_gates(x)
+    t = t_ref[...].astype(_F32)
+    w_ref[...] = blk.mm(t, x.beta * gates.k_base).astype(w_ref.dtype)
+    kd_ref[...] = (x.k * gates.kd_scale).astype(kd_ref.dtype)
+    d_ref[...] = gates.carried[0]
+    u_ref[...] = blk.mm(t, x.beta * v_ref[...].astype(_F32)).astype(u_ref.dtype)
+
+
 def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype,
-                         save_scores):
+                         save_scores, lean=False):
     """intra_forward as three kernels: scores and solve per chunk, then outputs per (chunk, channel tile)."""
     precision = intra_precision(tuning, precision, q.dtype)
     chunks, chunk, heads, key_dim = q.shape
@@ -357,6 +374,18 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), store_dtype)  # noqa: E731
     key_shapes = [shape(key_dim)] * 3 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)]
     key_specs = [out_tile] * 3 + [pl.BlockSpec((None, None, tile), lambda n, h, j: (n, h, j))]
+    if lean and key_dim == value_dim:
+        w, kd, d, u = pl.pallas_call(
+            functools.partial(_lean_outputs_kernel, precision=precision),
+            grid=(chunks, value_heads, key_dim // tile),
+            in_specs=[qk, per_head, per_head, rows, doc_spec, doc_spec, scores],
+            out_specs=[out_tile] * 2 + [key_specs[3], out_tile],
+            out_shape=[shape(key_dim)] * 2 + [key_shapes[3], shape(value_dim)],
+            compiler_params=compiler_params(tuning.output_warps),
+            interpret=interpret,
+            name="kda_lean_outputs_fwd",
+        )(k, v, g, beta, doc, doc_prev, t)
+        return w, None, kd, u, None, d, aqk
     if key_dim == value_dim:
         w, qp, kd, d, u, ol = pl.pallas_call(
             functools.partial(_tile_outputs_kernel, scale=scale, precision=precision),
@@ -412,7 +441,7 @@ def chunk_vector(d):
 
 
 def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype,
-                  save_scores):
+                  save_scores, lean=False):
     """Per-chunk quantities. q, k: [BN, C, H, K]; v: [BN, C, HV, V]; g: [BN, C, HV, K]; beta: [BN, C, HV];
     doc, doc_prev: [BN, C] int32. Returns w, qp, kd: [BN, HV, C, K]; u, ol: [BN, HV, C, V] (store_dtype); d:
     [BN, HV, K] fp32; and if save_scores Aqk, Akk, T = (I + L)^-1: [BN, HV, C, C] fp32.
@@ -426,7 +455,7 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
     if tiled and tuning.split_intra:
         return _split_intra_forward(q, k, v, g, beta, doc, doc_prev, scale=scale, dense=dense, tuning=tuning,
                                     interpret=interpret, precision=precision, store_dtype=store_dtype,
-                                    save_scores=save_scores)
+                                    save_scores=save_scores, lean=lean)
     precision = intra_precision(tuning, precision, q.dtype)
     if tiled:
         kernel = functools.partial(_tiled_intra_kernel, scale=scale, dense=dense, precision=precision, tile=tile)
@@ -504,13 +533,14 @@ def _output_kernel(qp_ref, ol_ref, state_ref, o_ref, *, low):
     o_ref[...] = (ol_ref[...].astype(_F32) + blk.mm(qp, state)).astype(o_ref.dtype)
 
 
-def _scan_then_output(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpret, precision, save_states):
+def _states_scan(w, kd, u, d, initial_state, *, tuning, interpret, precision):
+    """The states alone: (final state, every chunk's incoming state, v_new)."""
     chunks, value_heads, chunk, key_dim = w.shape
     value_dim = u.shape[-1]
     batch = initial_state.shape[0]
     tile = min(tuning.state_tile, value_dim)
     keys, values, vector, states, _, state = sequence_specs(chunks // batch, key_dim, tile)
-    final, chunk_states, v_new = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_states_kernel, precision=precision, low=tuning.scan_low_precision),
         grid=(batch, value_heads, value_dim // tile),
         in_specs=[keys(chunk)] * 2 + [values(chunk), vector, state],
@@ -522,6 +552,53 @@ def _scan_then_output(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, 
         interpret=interpret,
         name="kda_states_fwd",
     )(w, kd, u, d, initial_state)
+
+
+@with_precision
+def _scores_output_kernel(q_ref, g_ref, doc_ref, prev_ref, aqk_ref, v_new_ref, state_ref, o_ref, *, scale, low):
+    """One (chunk, value head): o = (Q e^Gamma on the incoming document's rows) S + Aqk v_new."""
+    reads = (doc_ref[...] == blk.element(prev_ref[...], 0))[:, None]
+    gam = jnp.cumsum(g_ref[...].astype(_F32), axis=0)
+    qd = jnp.where(reads, q_ref[...].astype(_F32) * scale * jnp.exp(gam), 0.0)
+    state = state_ref[...]
+    inter = blk.mm(qd.astype(state.dtype), state) if low else blk.mm(qd, state.astype(_F32))
+    o_ref[...] = (inter + blk.mm(aqk_ref[...].astype(_F32), v_new_ref[...].astype(_F32))).astype(o_ref.dtype)
+
+
+def scores_output_scan(w, kd, u, d, aqk, q, g, doc, doc_prev, initial_state, *, scale, out_dtype, tuning, interpret,
+                       precision):
+    """The inference forward's second half (Tuning.output_from_scores): the states scanned alone, then o from the
+    stored states, v_new and the chunk's Aqk in a kernel parallel over chunks. Returns (o, final state)."""
+    chunks, value_heads, chunk, key_dim = w.shape
+    value_dim = u.shape[-1]
+    group = value_heads // q.shape[2]
+    final, chunk_states, v_new = _states_scan(w, kd, u, d, initial_state, tuning=tuning, interpret=interpret,
+                                              precision=precision)
+    o = pl.pallas_call(
+        functools.partial(_scores_output_kernel, scale=scale, precision=intra_precision(tuning, precision, q.dtype),
+                          low=tuning.scan_low_precision),
+        grid=(chunks, value_heads),
+        in_specs=[pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h // group, 0)),
+                  pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h, 0)),
+                  pl.BlockSpec((None, chunk), lambda n, h: (n, 0)),
+                  pl.BlockSpec((None, chunk), lambda n, h: (n, 0)),
+                  pl.BlockSpec((None, None, chunk, chunk), lambda n, h: (n, h, 0, 0)),
+                  pl.BlockSpec((None, None, chunk, value_dim), lambda n, h: (n, h, 0, 0)),
+                  pl.BlockSpec((None, None, key_dim, value_dim), lambda n, h: (n, h, 0, 0))],
+        out_specs=pl.BlockSpec((None, chunk, None, value_dim), lambda n, h: (n, 0, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((chunks, chunk, value_heads, value_dim), out_dtype),
+        compiler_params=compiler_params(tuning.state_warps),
+        interpret=interpret,
+        name="kda_scores_output_fwd",
+    )(q, g, doc, doc_prev, aqk, v_new, chunk_states)
+    return o, final
+
+
+def _scan_then_output(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpret, precision, save_states):
+    chunks, value_heads, chunk, key_dim = w.shape
+    value_dim = u.shape[-1]
+    final, chunk_states, v_new = _states_scan(w, kd, u, d, initial_state, tuning=tuning, interpret=interpret,
+                                              precision=precision)
     o = pl.pallas_call(
         functools.partial(_output_kernel, precision=precision, low=tuning.scan_low_precision),
         grid=(chunks, value_heads),

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.layout import document_index
 from pallas_kernels.kda.pallas_bwd import intra_grads, state_grad, state_side_grads
-from pallas_kernels.kda.pallas_fwd import Tuning, intra_forward, state_scan
+from pallas_kernels.kda.pallas_fwd import Tuning, intra_forward, scores_output_scan, state_scan
 
 CHUNK_RANGE = (blk.ROWS, 128)
 
@@ -65,8 +65,14 @@ def _forward(cfg, q, k, v, g, beta, state, doc, doc_prev, *, save_states):
     kw = dict(tuning=cfg.tuning, interpret=cfg.interpret, precision=cfg.precision)
     # bf16 inputs keep the intermediates in bf16 (half the scans' traffic; within the error bars), fp32 in fp32.
     store = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+    # Without a backward, o can come from the scores (Tuning.output_from_scores): no qp, ol to write and read.
+    lean = not save_states and cfg.tuning.separate_output and cfg.tuning.output_from_scores
     w, qp, kd, u, ol, d, *scores = intra_forward(q, k, v, g, beta, doc, doc_prev, scale=cfg.scale, dense=cfg.dense,
-                                                 store_dtype=store, save_scores=save_states, **kw)
+                                                 store_dtype=store, save_scores=save_states, lean=lean, **kw)
+    if qp is None:  # the lean per-chunk outputs ran (split, channel-tiled kernels, K = V)
+        outs = scores_output_scan(w, kd, u, d, scores[0], q, g, doc, doc_prev, state, scale=cfg.scale,
+                                  out_dtype=v.dtype, **kw)
+        return outs, None
     outs = state_scan(w, qp, kd, u, ol, d, state, out_dtype=v.dtype, save_states=save_states, **kw)
     return outs, (w, qp, kd, u, d, *scores)
 

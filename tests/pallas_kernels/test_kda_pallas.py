@@ -282,3 +282,29 @@ def test_pairwise_tuning_is_checked():
         pairwise_width(Tuning(pairwise="block", pairwise_width=48), 128)
     with pytest.raises(ValueError, match="pairwise must be one of"):
         pairwise_width(Tuning(pairwise="pairs"), 128)
+
+
+@pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-3)])
+def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min, dtype, tol):
+    # Tuning(output_from_scores=True): without a backward, o = (Q e^Gamma) S + Aqk v_new from the stored states and
+    # scores; GVA, documents inside chunks, an initial state, a padded length.
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    _interpret_with(monkeypatch, Tuning(output_from_scores=True, intra_tile=8))
+    x = random_inputs(12, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
+                      g_min=-5.0, dtype=dtype)
+    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+
+    def forward(backend):
+        return jax.jit(lambda *a: chunk_kda(*a, initial_state=x["initial_state"], output_final_state=True,
+                                            g_min=g_min, chunk_size=64, backend=backend, segment_ids=ids))
+
+    jaxpr = str(jax.make_jaxpr(forward("interpret"))(*args))
+    assert "kda_lean_outputs_fwd" in jaxpr and "kda_scores_output_fwd" in jaxpr and "kda_outputs_fwd" not in jaxpr
+    got, ref = forward("interpret")(*args), forward("reference")(*args)
+    for name, a, b in zip(("o", "state"), ref, got):
+        assert np.isfinite(np.asarray(b, np.float32)).all(), name
+        assert relative_rms_error(np.asarray(a, np.float32), np.asarray(b, np.float32)) < tol, name
+    if dtype == jnp.float32:  # with a backward the training forward runs (qp kept for the reverse scan)
+        _compare(x, g_min, 64, ids, tol=1e-5)
