@@ -308,3 +308,32 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
         assert relative_rms_error(np.asarray(a, np.float32), np.asarray(b, np.float32)) < tol, name
     if dtype == jnp.float32:  # with a backward the training forward runs (qp kept for the reverse scan)
         _compare(x, g_min, 64, ids, tol=1e-5)
+
+
+@pytest.mark.parametrize("tuning_text, grads", [("output_from_scores=1", False), ("pairwise=block,key_tile=16", True)])
+def test_opt_in_gpu_kernels_lower_for_cuda(tuning_text, grads):
+    # The opt-in kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a
+    # Triton custom call (what fails here would fail on the GPU before compiling).
+    from jax.sharding import AbstractDevice, AbstractMesh
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    tuning = Tuning.from_string(tuning_text)
+    g_min = None if "pairwise" in tuning_text else -5.0
+
+    def forward(q, k, v, g, beta, s0):
+        run = api._whole_chunks(functools.partial(kda_pallas, tuning=tuning))
+        return run(q, k, v, g, beta, s0, None, scale=0.2, chunk_size=64, diagonal=api.kda_diagonal_path(g_min, 64))
+
+    def loss(*args):
+        o, state = forward(*args)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
+
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)) if grads else forward
+    tokens = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    args = (tokens, tokens, tokens, jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32),
+            jax.ShapeDtypeStruct((1, 256, 2), jnp.bfloat16), jax.ShapeDtypeStruct((1, 2, 64, 64), jnp.float32))
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    names = ("kda_lean_outputs_fwd", "kda_scores_output_fwd") if not grads else ("kda_scores_fwd", "kda_input_bwd")
+    assert all(name in text for name in names)
+    assert text.count("__gpu$xla.gpu.triton") >= (4 if not grads else 8), text.count("__gpu$xla.gpu.triton")
