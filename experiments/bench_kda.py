@@ -6,13 +6,14 @@ flash-linear-attention (fla) side by side, each verified against the token-by-to
 fla (PyTorch) runs in a child process so the two frameworks never compute at once: after the JAX variants, or
 first with --fla_first (its Triton autotuning takes minutes on a fresh machine; first, it cannot be starved by the
 JAX rows). Run the parent with XLA_PYTHON_CLIENT_PREALLOCATE=false so that the child has the GPU's memory. The
-Pallas variants run once per entry of --tunings. Rows go to kda_h200.json and a markdown table to kda_h200.md,
-rewritten after every row, so a run stopped by --deadline_s or a time limit keeps what it measured.
+Pallas variants run once per entry of --tunings. Rows go to kda_h200.json and a markdown table to kda_h200.md
+(kda_<card>.* when the device is not an H200, e.g. kda_h100.*), rewritten after every row, so a run stopped by --deadline_s or a time limit keeps what it measured.
 """
 
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,7 @@ flags.DEFINE_string("tunings", "", "Several launch tunings separated by ';' (eac
                     "variant is timed with each. Overrides --tuning when set.")
 flags.DEFINE_bool("fla_first", False, "Run the fla child before the JAX variants.")
 flags.DEFINE_float("deadline_s", 0.0, "Start no new JAX measurement after this many seconds (0: no deadline).")
-flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_h200.json / .md are written.")
+flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_<card>.json / .md are written (card: h200, h100...).")
 flags.DEFINE_string("fla_worker", "", "Internal: run the fla timings for this job file and exit.")
 flags.DEFINE_integer("fla_timeout", 400, "Seconds the fla child may take; the JAX rows are written before it starts.")
 
@@ -272,10 +273,18 @@ def save_fla_references(path, heads, dim):
     np.savez(path, **arrays)
 
 
+def result_name(device_kind):
+    """kda_h200 on an H200; else kda_ and the card's model (kda_h100 for "NVIDIA H100 80GB HBM3"), so rows measured
+    on another card never land in the H200 file."""
+    match = re.search(r"\b([A-Z]+\d+[A-Za-z]*)\b", device_kind.replace("NVIDIA", ""))
+    return "kda_" + (match.group(1).lower() if match else re.sub(r"\W+", "_", device_kind).strip("_").lower())
+
+
 def write_tables(rows, versions, out_dir):
     os.makedirs(out_dir, exist_ok=True)
+    name = result_name(versions["gpu"])
     keys = ("variant", "tuning", "B", "T", "H", "D", "fwd_ms", "fwdbwd_ms", "max_err_ratio", "errors")
-    with open(os.path.join(out_dir, "kda_h200.json"), "w") as f:
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump([{k: ({n: float(e) for n, e in r[k].items()} if k == "errors" else r[k]) for k in keys if k in r}
                    for r in rows], f, indent=1)
     lines = [f"Chunked KDA on {versions['gpu']} (jax {versions['jax']}, jaxlib {versions['jaxlib']}, "
@@ -295,7 +304,7 @@ def write_tables(rows, versions, out_dir):
                      f"{r['fwd_ms']:.3f} | "
                      f"{r['fwd_ms'] / floor:.1f} | {r['fwdbwd_ms']:.3f} | {r['fwdbwd_ms'] / (3.2 * floor):.1f} | "
                      f"{r['max_err_ratio']:.3f} |")
-    with open(os.path.join(out_dir, "kda_h200.md"), "w") as f:
+    with open(os.path.join(out_dir, name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
