@@ -569,48 +569,51 @@ def scores_output_scan(w, kd, u, d, aqk, q, g, doc, doc_prev, initial_state, *, 
                        precision):
     """The inference forward's second half (Tuning.output_from_scores): the states scanned alone, then o from the
     stored states, v_new and the chunk's Aqk in a kernel parallel over chunks. Returns (o, final state)."""
-    chunks, value_heads, chunk, key_dim = w.shape
+    _, value_heads, chunk, key_dim = w.shape
     value_dim = u.shape[-1]
     group = value_heads // q.shape[2]
     final, chunk_states, v_new = _states_scan(w, kd, u, d, initial_state, tuning=tuning, interpret=interpret,
                                               precision=precision)
-    o = pl.pallas_call(
-        functools.partial(_scores_output_kernel, scale=scale, precision=intra_precision(tuning, precision, q.dtype),
-                          low=tuning.scan_low_precision),
-        grid=(chunks, value_heads),
-        in_specs=[pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h // group, 0)),
-                  pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h, 0)),
-                  pl.BlockSpec((None, chunk), lambda n, h: (n, 0)),
-                  pl.BlockSpec((None, chunk), lambda n, h: (n, 0)),
-                  pl.BlockSpec((None, None, chunk, chunk), lambda n, h: (n, h, 0, 0)),
-                  pl.BlockSpec((None, None, chunk, value_dim), lambda n, h: (n, h, 0, 0)),
-                  pl.BlockSpec((None, None, key_dim, value_dim), lambda n, h: (n, h, 0, 0))],
-        out_specs=pl.BlockSpec((None, chunk, None, value_dim), lambda n, h: (n, 0, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((chunks, chunk, value_heads, value_dim), out_dtype),
-        compiler_params=compiler_params(tuning.state_warps),
-        interpret=interpret,
-        name="kda_scores_output_fwd",
-    )(q, g, doc, doc_prev, aqk, v_new, chunk_states)
+    kernel = functools.partial(_scores_output_kernel, scale=scale, low=tuning.scan_low_precision,
+                               precision=intra_precision(tuning, precision, q.dtype))
+    in_specs = [pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h // group, 0)),
+                pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h, 0)),
+                pl.BlockSpec((None, chunk), lambda n, h: (n, 0)),
+                pl.BlockSpec((None, chunk), lambda n, h: (n, 0)),
+                pl.BlockSpec((None, None, chunk, chunk), lambda n, h: (n, h, 0, 0)),
+                pl.BlockSpec((None, None, chunk, value_dim), lambda n, h: (n, h, 0, 0)),
+                pl.BlockSpec((None, None, key_dim, value_dim), lambda n, h: (n, h, 0, 0))]
+    o = _per_chunk_output(kernel, in_specs, (q, g, doc, doc_prev, aqk, v_new, chunk_states), shape=u.shape,
+                          out_dtype=out_dtype, tuning=tuning, interpret=interpret, name="kda_scores_output_fwd")
     return o, final
 
 
-def _scan_then_output(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpret, precision, save_states):
-    chunks, value_heads, chunk, key_dim = w.shape
-    value_dim = u.shape[-1]
-    final, chunk_states, v_new = _states_scan(w, kd, u, d, initial_state, tuning=tuning, interpret=interpret,
-                                              precision=precision)
-    o = pl.pallas_call(
-        functools.partial(_output_kernel, precision=precision, low=tuning.scan_low_precision),
+def _per_chunk_output(kernel, in_specs, args, *, shape, out_dtype, tuning, interpret, name):
+    """o [BN, C, HV, V] from a kernel over (chunk, value head); shape: [BN, HV, C, V] of u."""
+    chunks, value_heads, chunk, value_dim = shape
+    return pl.pallas_call(
+        kernel,
         grid=(chunks, value_heads),
-        in_specs=[pl.BlockSpec((None, None, chunk, key_dim), lambda n, h: (n, h, 0, 0)),
-                  pl.BlockSpec((None, None, chunk, value_dim), lambda n, h: (n, h, 0, 0)),
-                  pl.BlockSpec((None, None, key_dim, value_dim), lambda n, h: (n, h, 0, 0))],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, chunk, None, value_dim), lambda n, h: (n, 0, h, 0)),
         out_shape=jax.ShapeDtypeStruct((chunks, chunk, value_heads, value_dim), out_dtype),
         compiler_params=compiler_params(tuning.state_warps),
         interpret=interpret,
-        name="kda_output_fwd",
-    )(qp, ol, chunk_states)
+        name=name,
+    )(*args)
+
+
+def _scan_then_output(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpret, precision, save_states):
+    chunk, key_dim = w.shape[2:]
+    value_dim = u.shape[-1]
+    final, chunk_states, v_new = _states_scan(w, kd, u, d, initial_state, tuning=tuning, interpret=interpret,
+                                              precision=precision)
+    in_specs = [pl.BlockSpec((None, None, chunk, key_dim), lambda n, h: (n, h, 0, 0)),
+                pl.BlockSpec((None, None, chunk, value_dim), lambda n, h: (n, h, 0, 0)),
+                pl.BlockSpec((None, None, key_dim, value_dim), lambda n, h: (n, h, 0, 0))]
+    o = _per_chunk_output(functools.partial(_output_kernel, precision=precision, low=tuning.scan_low_precision),
+                          in_specs, (qp, ol, chunk_states), shape=u.shape, out_dtype=out_dtype, tuning=tuning,
+                          interpret=interpret, name="kda_output_fwd")
     return (o, final, chunk_states, v_new) if save_states else (o, final)
 
 
