@@ -52,7 +52,9 @@ class Tuning:
     # Software-pipelining depth of the scans' chunk loops (Triton num_stages).
     state_stages: int = 3
     # Scan only the states and compute o = ol + qp S from the stored states in a kernel parallel over chunks: two
-    # matmuls and three loads per step on the serial path instead of three and five.
+    # matmuls and three loads per step on the serial path instead of three and five. Costs memory without a backward:
+    # every chunk's state is written (transiently; about twice q's bytes at K = V = 128 in bf16), which the training
+    # forward keeps anyway.
     separate_output: bool = True
     # Multiply in the scans with the state (and v_new, dS) rounded to the stored intermediates' dtype (bf16 for bf16
     # inputs), accumulating in fp32; the state itself stays fp32. False: TF32 products of fp32 operands.
