@@ -221,16 +221,19 @@ def chunk_core(x: ChunkIn, *, dense) -> Core:
 
 
 def key_outputs(x: ChunkIn, gates: Gates, aqk, t):
-    """The forward's outputs that are elementwise in the key channel, for x's channels: w, qp, kd [C, K], d [1, K]."""
+    """The forward's outputs that are elementwise in the key channel, for x's channels: w, qp, kd [C, K], d [1, K].
+    aqk None: w, kd, d only (what the state scan reads)."""
     w = mm(t, x.beta * gates.k_base)
-    qp = jnp.where(x.reads, x.q * jnp.exp(gates.dec.gam), 0.0) - mm(aqk, w)
-    return dict(w=w, qp=qp, kd=x.k * gates.kd_scale, d=gates.carried)
+    out = dict(w=w, kd=x.k * gates.kd_scale, d=gates.carried)
+    if aqk is not None:
+        out["qp"] = jnp.where(x.reads, x.q * jnp.exp(gates.dec.gam), 0.0) - mm(aqk, w)
+    return out
 
 
 def value_outputs(v, beta, aqk, t):
-    """u = T diag(beta) V and ol = Aqk u for a tile of value channels: [C, V]."""
+    """u = T diag(beta) V and ol = Aqk u for a tile of value channels: [C, V]. aqk None: u only."""
     u = mm(t, beta * v)
-    return dict(u=u, ol=mm(aqk, u))
+    return dict(u=u) if aqk is None else dict(u=u, ol=mm(aqk, u))
 
 
 def chunk_forward(x: ChunkIn, core: Core):

@@ -63,9 +63,9 @@ class Tuning:
     # tiles), "bf16_scores" (bf16 in the decayed-score products and their gradients only) or "bf16" (every product;
     # the one-hot block moves stay exact). fp32 accumulation throughout. Errors: benchmarks/notes_kda.md. Not timed.
     intra_operands: str = "tf32"
-    # Forward without a backward (inference): o = (Q e^Gamma) S + Aqk v_new in the output kernel, as fla orders it, so
-    # the outputs kernel writes w, kd, u only (no qp, ol). Needs separate_output; the training forward keeps qp (the
-    # reverse scan reads it). Not yet timed on a GPU.
+    # Forward without a backward (inference): the states scanned alone and o = (Q e^Gamma) S + Aqk v_new in a kernel
+    # parallel over chunks, as fla orders it, so the outputs kernel writes w, kd, u only (no qp, ol). The training
+    # forward keeps qp (the reverse scan reads it). Split, channel-tiled forward with K = V only. Not yet timed.
     output_from_scores: bool = False
     # Exact diagonal blocks of the unbounded gate: "columns" (a loop over the block's 16 columns, [R, Kt] work per
     # step) or "block" (all pairs at once as [R, R, W] tensors, W = pairwise_width channels per step in the forward,
@@ -338,12 +338,11 @@ def _lean_outputs_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, t_ref
     """Inference forward, parts 2 and 3 (grid chunks x value heads x channel tiles, K = V): what the state scan reads
     and nothing for o: key tile j's w, kd, D and value tile j's u."""
     x = _tile_input(k_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, slice(None), scale=1.0)
-    gates = chunk_gates(x)
     t = t_ref[...].astype(_F32)
-    w_ref[...] = blk.mm(t, x.beta * gates.k_base).astype(w_ref.dtype)
-    kd_ref[...] = (x.k * gates.kd_scale).astype(kd_ref.dtype)
-    d_ref[...] = gates.carried[0]
-    u_ref[...] = blk.mm(t, x.beta * v_ref[...].astype(_F32)).astype(u_ref.dtype)
+    out = key_outputs(x, chunk_gates(x), None, t) | value_outputs(v_ref[...].astype(_F32), x.beta, None, t)
+    for name, ref in dict(w=w_ref, kd=kd_ref, u=u_ref).items():
+        ref[...] = out[name].astype(ref.dtype)
+    d_ref[...] = out["d"][0]
 
 
 def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype,

@@ -66,7 +66,7 @@ def _forward(cfg, q, k, v, g, beta, state, doc, doc_prev, *, save_states):
     # bf16 inputs keep the intermediates in bf16 (half the scans' traffic; within the error bars), fp32 in fp32.
     store = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
     # Without a backward, o can come from the scores (Tuning.output_from_scores): no qp, ol to write and read.
-    lean = not save_states and cfg.tuning.separate_output and cfg.tuning.output_from_scores
+    lean = not save_states and cfg.tuning.output_from_scores
     w, qp, kd, u, ol, d, *scores = intra_forward(q, k, v, g, beta, doc, doc_prev, scale=cfg.scale, dense=cfg.dense,
                                                  store_dtype=store, save_scores=save_states, lean=lean, **kw)
     if qp is None:  # the lean per-chunk outputs ran (split, channel-tiled kernels, K = V)
