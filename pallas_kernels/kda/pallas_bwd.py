@@ -85,6 +85,9 @@ def state_side_grads(s0, ds, v_new, do, dv_new, *, tuning, interpret, precision)
     chunks, value_heads, key_dim, value_dim = s0.shape
     chunk = v_new.shape[2]
     kt = min(tuning.state_side_tile, key_dim)
+    if kt < 1 or key_dim % kt:
+        raise ValueError(f"Tuning.state_side_tile must be a positive divisor of the key dimension {key_dim} (or at "
+                         f"least it), got {tuning.state_side_tile}")
     state = pl.BlockSpec((None, None, kt, value_dim), lambda n, h, j: (n, h, j, 0))
     values = pl.BlockSpec((None, None, chunk, value_dim), lambda n, h, j: (n, h, 0, 0))
     do_spec = pl.BlockSpec((None, chunk, None, value_dim), lambda n, h, j: (n, 0, h, 0))
@@ -186,18 +189,18 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
         if not dense:
             eye = lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0) == lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 1)
             daqk_bb = jnp.where(eye, 0.0, load(daqk_ref, rows, rows))
-            eye_col = lax.broadcasted_iota(jnp.int32, (ROWS, 1), 0)
-            row_loads = lambda c: (k_ref[pl.ds(start + c, 1), :], g_ref[pl.ds(start + c, 1), :])  # noqa: E731
-            col_loads = lambda c: (  # noqa: E731
-                jnp.where(eye_col == c, 0.0, load(daqk_ref, rows, pl.ds(start + c, 1))),
-                load(dakk_ref, rows, pl.ds(start + c, 1)))
+            dscores = (daqk_bb, load(dakk_ref, rows, rows))
             if by_block:
                 with score_products():
-                    (dq_p, dk_p), dy_p = blk.pairwise_block_grads((daqk_bb, load(dakk_ref, rows, rows)), (q_b, k_b),
-                                                                  k_b, cumsum_rows(g_b))
+                    (dq_p, dk_p), dy_p = blk.pairwise_block_grads(dscores, (q_b, k_b), k_b, cumsum_rows(g_b))
             else:
-                (dq_p, dk_p), dy_p = pairwise_grads((daqk_bb, load(dakk_ref, rows, rows)), (q_b, k_b), k_b,
-                                                    cumsum_rows(g_b), rows=row_loads, columns=col_loads)
+                eye_col = lax.broadcasted_iota(jnp.int32, (ROWS, 1), 0)
+                row_loads = lambda c: (k_ref[pl.ds(start + c, 1), :], g_ref[pl.ds(start + c, 1), :])  # noqa: E731
+                col_loads = lambda c: (  # noqa: E731
+                    jnp.where(eye_col == c, 0.0, load(daqk_ref, rows, pl.ds(start + c, 1))),
+                    load(dakk_ref, rows, pl.ds(start + c, 1)))
+                (dq_p, dk_p), dy_p = pairwise_grads(dscores, (q_b, k_b), k_b, cumsum_rows(g_b), rows=row_loads,
+                                                    columns=col_loads)
             dxq, dxk, dyk = dxq + dq_p, dxk + dk_p, dyk + dy_p
         doc_b = doc_ref[rows]
         beta_b = beta_ref[rows].astype(_F32)[:, None]

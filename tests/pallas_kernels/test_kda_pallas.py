@@ -337,3 +337,15 @@ def test_opt_in_gpu_kernels_lower_for_cuda(tuning_text, grads):
     names = ("kda_lean_outputs_fwd", "kda_scores_output_fwd") if not grads else ("kda_scores_fwd", "kda_input_bwd")
     assert all(name in text for name in names)
     assert text.count("__gpu$xla.gpu.triton") >= (4 if not grads else 8), text.count("__gpu$xla.gpu.triton")
+
+
+def test_state_side_tile_must_divide_the_key_dimension():
+    from pallas_kernels.kda.pallas_bwd import state_side_grads
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    s = jax.ShapeDtypeStruct((2, 1, 96, 32), jnp.float32)
+    c = jax.ShapeDtypeStruct((2, 1, 16, 32), jnp.float32)
+    do = jax.ShapeDtypeStruct((2, 16, 1, 32), jnp.float32)
+    grads = functools.partial(state_side_grads, interpret=True, precision=None)
+    jax.eval_shape(functools.partial(grads, tuning=Tuning(state_side_tile=32)), s, s, c, do, c)
+    with pytest.raises(ValueError, match="state_side_tile must be a positive divisor of the key dimension 96.*got 64"):
+        jax.eval_shape(functools.partial(grads, tuning=Tuning(state_side_tile=64)), s, s, c, do, c)
