@@ -7,7 +7,8 @@ fla (PyTorch) runs in a child process so the two frameworks never compute at onc
 first with --fla_first (its Triton autotuning takes minutes on a fresh machine; first, it cannot be starved by the
 JAX rows). Run the parent with XLA_PYTHON_CLIENT_PREALLOCATE=false so that the child has the GPU's memory. The
 Pallas variants run once per entry of --tunings. Rows go to kda_h200.json and a markdown table to kda_h200.md
-(kda_<card>.* when the device is not an H200, e.g. kda_h100.*), rewritten after every row, so a run stopped by --deadline_s or a time limit keeps what it measured.
+(kda_<card>.* when the device is not an H200, e.g. kda_h100.*), rewritten after every row, so a run stopped by
+--deadline_s or a time limit keeps what it measured.
 """
 
 import dataclasses
