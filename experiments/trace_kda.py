@@ -27,6 +27,7 @@ from experiments.bench_kda import G_MIN, numpy_inputs  # also defines --tunings,
 FLAGS = flags.FLAGS
 flags.DEFINE_string("shape", "1x32768x16x128", "BxTxHxD (K = V = D, HV = H).")
 flags.DEFINE_list("gates", ["bounded"], "bounded (g_min = -5) and/or unbounded.")
+flags.DEFINE_list("passes", ["fwd", "fwdbwd"], "Passes of the Pallas variants to trace: fwd and/or fwdbwd.")
 flags.DEFINE_integer("calls", 5, "Traced calls per variant and pass.")
 flags.DEFINE_bool("fla", False, "Also trace flash-linear-attention's chunk_kda in a child process.")
 flags.DEFINE_string("trace_fla_worker", "", "Internal: trace fla for this job file and exit.")
@@ -201,6 +202,8 @@ def main(argv):
     for gate in FLAGS.gates:
         for tuning in (FLAGS.tunings or FLAGS.tuning).split(";"):
             for pass_name, fn, args in jax_variants(shape, tuning, gate == "bounded"):
+                if pass_name not in FLAGS.passes:
+                    continue
                 start = time.perf_counter()
                 kernels, busy, span, wall = trace_jax(fn, args, FLAGS.calls)
                 print(f"pallas {gate} {tuning} {pass_name}: busy {busy:.3f} ms, span {span:.3f} ms, wall "

@@ -44,6 +44,9 @@ class Tuning:
     # tile) and u, ol per (chunk, value tile) in small kernels of `output_warps` warps. False: one kernel.
     split_intra: bool = True
     output_warps: int = 4
+    # Channels per program of the split forward's output kernels (0: intra_tile). Wider tiles read the chunk's [C, C]
+    # scores and inverse fewer times (once per tile) at the cost of more live registers per program.
+    output_tile: int = 0
     intra_warps: int = 4
     score_bwd_warps: int = 4
     input_bwd_warps: int = 4
@@ -298,12 +301,13 @@ def _tiled_intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref,
 
 
 @with_precision
-def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, akk_ref, t_ref, *, scale, dense, tile,
-                  pairwise_width):
-    """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve."""
+def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile, pairwise_width):
+    """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve. out_refs: Aqk, Akk, T
+    (Akk is kept for the backward only), or Aqk, T."""
     aqk, akk, t = _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense,
                                  tile=tile, pairwise_width=pairwise_width)
-    aqk_ref[...], akk_ref[...], t_ref[...] = aqk.astype(aqk_ref.dtype), akk.astype(akk_ref.dtype), t.astype(t_ref.dtype)
+    for ref, value in zip(out_refs, (aqk, akk, t) if len(out_refs) == 3 else (aqk, t)):
+        ref[...] = value.astype(ref.dtype)
 
 
 @with_precision
@@ -345,6 +349,15 @@ def _lean_outputs_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, t_ref
     d_ref[...] = out["d"][0]
 
 
+def output_tile(tuning, key_dim, value_dim):
+    """Channels per program of the split forward's output kernels (Tuning.output_tile, 0: intra_tile)."""
+    tile = tuning.output_tile or tuning.intra_tile
+    if tile < 1 or key_dim % tile or value_dim % tile:
+        raise ValueError(f"Tuning.output_tile must divide the key and value dimensions ({key_dim}, {value_dim}), "
+                         f"got {tile}")
+    return tile
+
+
 def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype,
                          save_scores, lean=False):
     """intra_forward as three kernels: scores and solve per chunk, then outputs per (chunk, channel tile)."""
@@ -352,20 +365,22 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     chunks, chunk, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
     group = value_heads // heads
-    tile = tuning.intra_tile
     specs = input_specs(chunk, key_dim, value_dim, group)
     square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), score_dtype(precision))
-    aqk, akk, t = pl.pallas_call(
-        functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tile,
+    lean = lean and key_dim == value_dim
+    scores = pl.pallas_call(
+        functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
                           pairwise_width=pairwise_width(tuning, key_dim)),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]],
-        out_specs=[chunk_tile(chunk, chunk)] * 3,
-        out_shape=[square] * 3,
+        out_specs=[chunk_tile(chunk, chunk)] * (2 if lean else 3),
+        out_shape=[square] * (2 if lean else 3),
         compiler_params=compiler_params(tuning.intra_warps),
         interpret=interpret,
         name="kda_scores_fwd",
     )(q, k, g, beta, doc, doc_prev)
+    (aqk, t), akk = (scores, None) if lean else (scores[0::2], scores[1])
+    tile = output_tile(tuning, key_dim, value_dim)
     qk = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h // group, j))
     per_head = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h, j))
     rows = pl.BlockSpec((None, chunk, None), lambda n, h, j: (n, 0, h))
@@ -375,7 +390,7 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), store_dtype)  # noqa: E731
     key_shapes = [shape(key_dim)] * 3 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)]
     key_specs = [out_tile] * 3 + [pl.BlockSpec((None, None, tile), lambda n, h, j: (n, h, j))]
-    if lean and key_dim == value_dim:
+    if lean:
         w, kd, d, u = pl.pallas_call(
             functools.partial(_lean_outputs_kernel, precision=precision),
             grid=(chunks, value_heads, key_dim // tile),

@@ -274,9 +274,12 @@ def test_block_form_pairwise_diagonal_matches_reference(monkeypatch):
         assert relative_rms_error(np.asarray(columns[name]), np.asarray(got[name])) < 1e-6, name
 
 
-def test_pairwise_tuning_is_checked():
-    from pallas_kernels.kda.pallas_fwd import Tuning, pairwise_width
+def test_channel_and_pairwise_tunings_are_checked():
+    from pallas_kernels.kda.pallas_fwd import Tuning, output_tile, pairwise_width
     assert pairwise_width(Tuning(), 128) == 0
+    assert output_tile(Tuning(), 128, 128) == 32 and output_tile(Tuning(output_tile=128), 128, 128) == 128
+    with pytest.raises(ValueError, match="output_tile must divide.*128, 64.*got 128"):
+        output_tile(Tuning(output_tile=128), 128, 64)
     assert pairwise_width(Tuning(pairwise="block", pairwise_width=16), 128) == 16
     with pytest.raises(ValueError, match="pairwise_width must divide.*128, got 48"):
         pairwise_width(Tuning(pairwise="block", pairwise_width=48), 128)
@@ -284,13 +287,14 @@ def test_pairwise_tuning_is_checked():
         pairwise_width(Tuning(pairwise="pairs"), 128)
 
 
-@pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
+@pytest.mark.parametrize("gate, g_min, output_tile", [("bounded", -5.0, 0), ("softplus", None, 0), ("bounded", -5.0, 16)])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-3)])
-def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min, dtype, tol):
+def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min, output_tile, dtype, tol):
     # Tuning(output_from_scores=True): without a backward, o = (Q e^Gamma) S + Aqk v_new from the stored states and
-    # scores; GVA, documents inside chunks, an initial state, a padded length.
+    # scores; GVA, documents inside chunks, an initial state, a padded length. output_tile=16: the output kernels
+    # take both channel tiles of the scores kernel's loop at once.
     from pallas_kernels.kda.pallas_fwd import Tuning
-    _interpret_with(monkeypatch, Tuning(output_from_scores=True, intra_tile=8))
+    _interpret_with(monkeypatch, Tuning(output_from_scores=True, intra_tile=8, output_tile=output_tile))
     x = random_inputs(12, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
                       g_min=-5.0, dtype=dtype)
     ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
