@@ -68,7 +68,8 @@ class Tuning:
     intra_operands: str = "tf32"
     # Forward without a backward (inference): the states scanned alone and o = (Q e^Gamma) S + Aqk v_new in a kernel
     # parallel over chunks, as fla orders it, so the outputs kernel writes w, kd, u only (no qp, ol). The training
-    # forward keeps qp (the reverse scan reads it). Split, channel-tiled forward with K = V only. Not yet timed.
+    # forward keeps qp (the reverse scan reads it). Channel-tiled forward only (intra_tile > 0), and K = V when split;
+    # unsplit, one kernel per chunk writes w, kd, u and Aqk (the inverse stays in the program).
     output_from_scores: bool = False
     # Exact diagonal blocks of the unbounded gate: "columns" (a loop over the block's 16 columns, [R, Kt] work per
     # step) or "block" (all pairs at once as [R, R, W] tensors, W = pairwise_width channels per step in the forward,
@@ -301,6 +302,35 @@ def _tiled_intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref,
 
 
 @with_precision
+def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref, kd_ref, u_ref, d_ref, aqk_ref, *,
+                       scale, dense, tile, pairwise_width):
+    """The inference forward's per-chunk work in one program (Tuning.output_from_scores without split_intra): the
+    scores and the solve, then only what the state scan and o read: w, kd, D per key tile, u per value tile, Aqk.
+    The inverse never leaves the program, and the second pass re-reads the chunk's tiles while they are cached."""
+    key_dim, value_dim = q_ref.shape[1], v_ref.shape[1]
+    inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
+    aqk, _, t = _solved_scores(*inputs, scale=scale, dense=dense, tile=tile, pairwise_width=pairwise_width)
+    aqk_ref[...] = aqk.astype(aqk_ref.dtype)
+    beta = beta_ref[...].astype(_F32)[:, None]
+
+    def write_keys(j, carry):
+        cols = pl.ds(j * tile, tile)
+        x = _tile_input(*inputs, cols, scale=scale)
+        out = key_outputs(x, chunk_gates(x), None, t)
+        w_ref[:, cols], kd_ref[:, cols] = out["w"].astype(w_ref.dtype), out["kd"].astype(kd_ref.dtype)
+        d_ref[cols] = out["d"][0]
+        return carry
+
+    def write_values(j, carry):
+        cols = pl.ds(j * tile, tile)
+        u_ref[:, cols] = value_outputs(v_ref[:, cols].astype(_F32), beta, None, t)["u"].astype(u_ref.dtype)
+        return carry
+
+    lax.fori_loop(0, key_dim // tile, write_keys, 0)
+    lax.fori_loop(0, value_dim // tile, write_values, 0)
+
+
+@with_precision
 def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile, pairwise_width):
     """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve. out_refs: Aqk, Akk, T
     (Akk is kept for the backward only), or Aqk, T."""
@@ -473,6 +503,22 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
                                     interpret=interpret, precision=precision, store_dtype=store_dtype,
                                     save_scores=save_scores, lean=lean)
     precision = intra_precision(tuning, precision, q.dtype)
+    if tiled and lean:
+        w, kd, u, d, aqk = pl.pallas_call(
+            functools.partial(_tiled_lean_kernel, scale=scale, dense=dense, precision=precision, tile=tile,
+                              pairwise_width=pairwise_width(tuning, key_dim)),
+            grid=(chunks, value_heads),
+            in_specs=input_specs(chunk, key_dim, value_dim, value_heads // heads),
+            out_specs=[chunk_tile(chunk, key_dim)] * 2 + [chunk_tile(chunk, value_dim), chunk_vector(key_dim),
+                                                          chunk_tile(chunk, chunk)],
+            out_shape=[shape(key_dim)] * 2 + [shape(value_dim), jax.ShapeDtypeStruct((chunks, value_heads, key_dim),
+                                                                                     _F32),
+                                              shape(chunk, score_dtype(precision))],
+            compiler_params=compiler_params(tuning.intra_warps),
+            interpret=interpret,
+            name="kda_lean_intra_fwd",
+        )(q, k, v, g, beta, doc, doc_prev)
+        return w, None, kd, u, None, d, aqk
     if tiled:
         kernel = functools.partial(_tiled_intra_kernel, scale=scale, dense=dense, precision=precision, tile=tile)
     else:

@@ -287,14 +287,18 @@ def test_channel_and_pairwise_tunings_are_checked():
         pairwise_width(Tuning(pairwise="pairs"), 128)
 
 
-@pytest.mark.parametrize("gate, g_min, output_tile", [("bounded", -5.0, 0), ("softplus", None, 0), ("bounded", -5.0, 16)])
+@pytest.mark.parametrize("gate, g_min, output_tile, split", [("bounded", -5.0, 0, True), ("softplus", None, 0, True),
+                                                             ("bounded", -5.0, 16, True),
+                                                             ("bounded", -5.0, 0, False), ("softplus", None, 0, False)])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-3)])
-def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min, output_tile, dtype, tol):
+def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min, output_tile, split, dtype, tol):
     # Tuning(output_from_scores=True): without a backward, o = (Q e^Gamma) S + Aqk v_new from the stored states and
     # scores; GVA, documents inside chunks, an initial state, a padded length. output_tile=16: the output kernels
-    # take both channel tiles of the scores kernel's loop at once.
+    # take both channel tiles of the scores kernel's loop at once; split False: one per-chunk kernel (scores, solve,
+    # w, kd, u) instead of the scores kernel and the lean outputs kernel.
     from pallas_kernels.kda.pallas_fwd import Tuning
-    _interpret_with(monkeypatch, Tuning(output_from_scores=True, intra_tile=8, output_tile=output_tile))
+    _interpret_with(monkeypatch, Tuning(output_from_scores=True, intra_tile=8, output_tile=output_tile,
+                                        split_intra=split))
     x = random_inputs(12, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
                       g_min=-5.0, dtype=dtype)
     ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
@@ -305,7 +309,9 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
                                             g_min=g_min, chunk_size=64, backend=backend, segment_ids=ids))
 
     jaxpr = str(jax.make_jaxpr(forward("interpret"))(*args))
-    assert "kda_lean_outputs_fwd" in jaxpr and "kda_scores_output_fwd" in jaxpr and "kda_outputs_fwd" not in jaxpr
+    lean = "kda_lean_outputs_fwd" if split else "kda_lean_intra_fwd"
+    assert lean in jaxpr and "kda_scores_output_fwd" in jaxpr and "kda_outputs_fwd" not in jaxpr
+    assert "kda_intra_fwd" not in jaxpr
     got, ref = forward("interpret")(*args), forward("reference")(*args)
     for name, a, b in zip(("o", "state"), ref, got):
         assert np.isfinite(np.asarray(b, np.float32)).all(), name
@@ -314,7 +320,8 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
         _compare(x, g_min, 64, ids, tol=1e-5)
 
 
-@pytest.mark.parametrize("tuning_text, grads", [("output_from_scores=1", False), ("pairwise=block,key_tile=16", True)])
+@pytest.mark.parametrize("tuning_text, grads", [("output_from_scores=1", False), ("output_from_scores=1,split_intra=0", False),
+                                                ("pairwise=block,key_tile=16", True)])
 def test_opt_in_gpu_kernels_lower_for_cuda(tuning_text, grads):
     # The opt-in kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a
     # Triton custom call (what fails here would fail on the GPU before compiling).
@@ -338,9 +345,10 @@ def test_opt_in_gpu_kernels_lower_for_cuda(tuning_text, grads):
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    names = ("kda_lean_outputs_fwd", "kda_scores_output_fwd") if not grads else ("kda_scores_fwd", "kda_input_bwd")
+    lean = "kda_lean_intra_fwd" if "split_intra=0" in tuning_text else "kda_lean_outputs_fwd"
+    names = (lean, "kda_scores_output_fwd") if not grads else ("kda_scores_fwd", "kda_input_bwd")
     assert all(name in text for name in names)
-    assert text.count("__gpu$xla.gpu.triton") >= (4 if not grads else 8), text.count("__gpu$xla.gpu.triton")
+    assert text.count("__gpu$xla.gpu.triton") >= (3 if not grads else 8), text.count("__gpu$xla.gpu.triton")
 
 
 def test_state_side_tile_must_divide_the_key_dimension():
