@@ -14,7 +14,7 @@ from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, pairw
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
 from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, input_bwd_rows, input_specs, intra_precision,
                                            operand_cast, pairwise_width, ref_chunk, saved_state_dtype, scan_load,
-                                           sequence_specs, with_precision)
+                                           score_dtype, sequence_specs, with_precision)
 
 _F32 = jnp.float32
 
@@ -113,7 +113,8 @@ def _score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref
     daqk, dakk, dkb, dv, dbeta = backward_scores(
         x, k_base(x, jnp.cumsum(x.g, axis=0)), *map(load, (aqk_ref, akk_ref, t_ref, w_ref, u_ref, do_ref, du_ref,
                                                            dqp_ref, dw_ref)))
-    daqk_ref[...], dakk_ref[...], dkb_ref[...], dbeta_ref[...] = daqk, dakk, dkb, dbeta[:, 0]
+    daqk_ref[...], dakk_ref[...] = daqk.astype(daqk_ref.dtype), dakk.astype(dakk_ref.dtype)
+    dkb_ref[...], dbeta_ref[...] = dkb, dbeta[:, 0]
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -123,8 +124,10 @@ def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_re
     x = ref_chunk(q_ref, k_ref, None, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
     gates = chunk_gates(x)  # the decay factors only: the scores come in as gradients, no inverse is needed
     at = lambda b: (pl.ds(b * ROWS, ROWS), pl.ds(b * ROWS, ROWS))  # noqa: E731
-    dq, dk, dg = backward_inputs(x, gates, daqk_ref[...], dakk_ref[...], dkb_ref[...], dqp_ref[...], dkd_ref[...],
-                                 dd_ref[...][None, :], lambda b: (daqk_ref[at(b)], dakk_ref[at(b)]), dense=dense)
+    load = lambda ref, *at: ref[at or ...].astype(_F32)  # noqa: E731
+    dq, dk, dg = backward_inputs(x, gates, load(daqk_ref), load(dakk_ref), dkb_ref[...], dqp_ref[...], dkd_ref[...],
+                                 dd_ref[...][None, :], lambda b: (load(daqk_ref, *at(b)), load(dakk_ref, *at(b))),
+                                 dense=dense)
     dq_ref[...], dk_ref[...], dg_ref[...] = (dq * scale).astype(dq_ref.dtype), dk.astype(dk_ref.dtype), dg
 
 
@@ -255,7 +258,8 @@ def _tiled_score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, a
     daqk, dl, dbeta = lax.fori_loop(0, key_dim // tile, key_side, acc)
     daqk, dl = mask_scores(doc, daqk, dl)
     dbeta = dbeta + jnp.sum(dl * akk_ref[...].astype(_F32), axis=1)
-    daqk_ref[...], dakk_ref[...], dbeta_ref[...] = daqk, beta * dl, dbeta
+    daqk_ref[...], dakk_ref[...] = daqk.astype(daqk_ref.dtype), (beta * dl).astype(dakk_ref.dtype)
+    dbeta_ref[...] = dbeta
 
 
 def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd, dd, *, scale, dense, tuning,
@@ -279,13 +283,14 @@ def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd
 
 def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tuning, interpret, precision,
                 dv_dtype=_F32):
-    """Back through ol = Aqk u, qp = qd - Aqk w and the solve: dAqk, dAkk [BN, HV, C, C], d(kb) [BN, HV, C, K],
-    dv [BN, C, HV, V] (in dv_dtype) and the direct part of dbeta [BN, C, HV]."""
+    """Back through ol = Aqk u, qp = qd - Aqk w and the solve: dAqk, dAkk [BN, HV, C, C] (bf16 when every per-chunk
+    product rounds its operands to bf16, Tuning.intra_operands="bf16", else fp32), d(kb) [BN, HV, C, K], dv
+    [BN, C, HV, V] (in dv_dtype) and the direct part of dbeta [BN, C, HV]."""
     chunks, chunk, heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2:]
     per_head = lambda d: pl.BlockSpec((None, chunk, None, d), lambda n, h: (n, 0, h, 0))  # noqa: E731
     shape = lambda d, dtype=_F32: jax.ShapeDtypeStruct((chunks, chunk, value_heads, d), dtype)  # noqa: E731
-    tile_shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), _F32)  # noqa: E731
+    tile_shape = lambda d, dtype=_F32: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), dtype)  # noqa: E731
     beta_spec = pl.BlockSpec((None, chunk, None), lambda n, h: (n, 0, h))
     specs = input_specs(chunk, key_dim, value_dim, value_heads // heads)
     tile = tuning.intra_tile
@@ -301,8 +306,8 @@ def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tun
             chunk_tile(chunk, key_dim), chunk_tile(chunk, value_dim), per_head(value_dim),
             chunk_tile(chunk, value_dim)] + [chunk_tile(chunk, key_dim)] * 2,
         out_specs=[chunk_tile(chunk, chunk)] * 2 + [chunk_tile(chunk, key_dim), per_head(value_dim), beta_spec],
-        out_shape=[tile_shape(chunk)] * 2 + [tile_shape(key_dim), shape(value_dim, dv_dtype),
-                                             jax.ShapeDtypeStruct((chunks, chunk, value_heads), _F32)],
+        out_shape=[tile_shape(chunk, score_dtype(precision))] * 2 + [
+            tile_shape(key_dim), shape(value_dim, dv_dtype), jax.ShapeDtypeStruct((chunks, chunk, value_heads), _F32)],
         compiler_params=compiler_params(tuning.score_bwd_warps),
         interpret=interpret,
         name="kda_score_bwd",

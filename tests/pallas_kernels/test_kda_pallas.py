@@ -8,6 +8,7 @@ Pallas' TPU interpreter).
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -190,8 +191,8 @@ def test_bf16_operands_in_the_per_chunk_kernels_meet_the_bf16_bars(monkeypatch, 
 def test_bf16_ungrouped_path_writes_input_dtypes_and_16_bit_residuals(monkeypatch, operands):
     # The GPU layout (64-token chunks, K = V, one value head per key head): the split forward's fused output
     # kernel, 16-bit per-chunk states and state gradients kept for the backward (scan_low_precision), the saved
-    # scores in bf16 when every per-chunk product takes bf16 operands, and gradients written in the inputs' dtypes
-    # by the kernels. Still within the bf16 bars.
+    # scores and the score gradients in bf16 when every per-chunk product takes bf16 operands, and gradients written
+    # in the inputs' dtypes by the kernels. Still within the bf16 bars.
     from pallas_kernels.kda import pallas_fwd
     from pallas_kernels.kda.pallas_fwd import Tuning
     tuning = Tuning(intra_operands=operands)
@@ -213,6 +214,9 @@ def test_bf16_ungrouped_path_writes_input_dtypes_and_16_bit_residuals(monkeypatc
     scores = pallas_fwd.score_dtype(pallas_fwd.intra_precision(tuning, None, jnp.bfloat16))
     assert scores == (jnp.bfloat16 if operands == "bf16" else jnp.float32)
     assert "bf16[3,2,32,32]" in jaxpr  # the three chunks' stored states of each value head
+    # [chunks, value heads, C, C] squares: the forward's Aqk, Akk, T and the backward's dAqk, dAkk
+    squares = re.findall(r"(bf16|f32)\[3,2,64,64\]", jaxpr)
+    assert squares and set(squares) == {"bf16" if operands == "bf16" else "f32"}
 
 
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
@@ -320,7 +324,8 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
         _compare(x, g_min, 64, ids, tol=1e-5)
 
 
-@pytest.mark.parametrize("tuning_text, grads", [("output_from_scores=1", False), ("output_from_scores=1,split_intra=0", False),
+@pytest.mark.parametrize("tuning_text, grads", [("output_from_scores=1", False),
+                                                ("output_from_scores=1,split_intra=0", False),
                                                 ("pairwise=block,key_tile=16", True)])
 def test_opt_in_gpu_kernels_lower_for_cuda(tuning_text, grads):
     # The opt-in kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a
