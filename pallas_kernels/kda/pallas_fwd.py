@@ -72,8 +72,10 @@ class Tuning:
     # unsplit, one kernel per chunk writes w, kd, u and Aqk (the inverse stays in the program).
     output_from_scores: bool = False
     # Exact diagonal blocks of the unbounded gate: "columns" (a loop over the block's 16 columns, [R, Kt] work per
-    # step) or "block" (all pairs at once as [R, R, W] tensors, W = pairwise_width channels per step in the forward,
-    # the whole key tile in the row-block input backward: use key_tile <= 16 there).
+    # step), "wide" (the forward's column loop once over the whole key width after the key-tile loop: a quarter of
+    # the steps and cross-lane sums at K = 4 Kt; the backward as "columns") or "block" (all pairs at once as
+    # [R, R, W] tensors, W = pairwise_width channels per step in the forward, the whole key tile in the row-block input
+    # backward: use key_tile <= 16 there).
     pairwise: str = "columns"
     pairwise_width: int = 8
     # Input backward: "rows" (one 16-row block at a time: [R, C] x [C, Kt] products, a quarter of the masked whole-tile
@@ -100,14 +102,14 @@ class Tuning:
         return dataclasses.replace(tuning, **changes)
 
 
-PAIRWISE = ("columns", "block")
+PAIRWISE = ("columns", "wide", "block")
 
 
 def pairwise_width(tuning, key_dim):
-    """Channels per step of the forward's block-form pairwise diagonal (Tuning.pairwise); 0: by columns."""
+    """Channels per step of the block-form pairwise diagonal (Tuning.pairwise); 0: by columns (or wide)."""
     if tuning.pairwise not in PAIRWISE:
         raise ValueError(f"Tuning.pairwise must be one of {PAIRWISE}, got {tuning.pairwise!r}")
-    if tuning.pairwise == "columns":
+    if tuning.pairwise != "block":
         return 0
     if tuning.pairwise_width < 1 or key_dim % tuning.pairwise_width:
         raise ValueError(f"Tuning.pairwise_width must divide the key dimension {key_dim}, got "
@@ -233,18 +235,28 @@ def _block_diagonal(q_ref, k_ref, g_ref, num_blocks, *, scale, width):
     return out
 
 
-def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, pairwise_width=0):
+def _wide_diagonal(q_ref, k_ref, g_ref, num_blocks, *, scale):
+    """The exact diagonal blocks [(Aqk_bb, Akk_bb)] column by column over the whole key width, from the refs."""
+    blocks = lambda b: tuple(ref[pl.ds(b * ROWS, ROWS), :].astype(_F32) * f  # noqa: E731
+                             for ref, f in ((q_ref, scale), (k_ref, 1.0), (g_ref, 1.0)))
+    rows = lambda b, c: (k_ref[pl.ds(b * ROWS + c, 1), :], g_ref[pl.ds(b * ROWS + c, 1), :])  # noqa: E731
+    return pairwise_diagonal(blocks, num_blocks, rows=rows)
+
+
+def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, pairwise=("columns", 0)):
     """Aqk, Akk (masked) and T = (I + diag(beta) Akk)^-1 [C, C] of a chunk, summing the scores over key tiles.
-    pairwise_width: 0, the unbounded diagonal blocks column by column inside the key-tile loop; else by
-    `pairwise_width`-channel slices after it (_block_diagonal)."""
+    pairwise (mode, width) for the unbounded diagonal blocks: "columns", column by column inside the key-tile loop;
+    "wide", column by column over the whole width after it (_wide_diagonal); "block", by `width`-channel slices after
+    it (_block_diagonal)."""
     size, key_dim = q_ref.shape
     num_blocks = size // ROWS
-    by_block = not dense and pairwise_width > 0
+    mode, width = pairwise
+    after = not dense and mode != "columns"
 
     def add_scores(j, acc):
         x = _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, pl.ds(j * tile, tile), scale=scale)
         aqk, akk = partial_scores(x, chunk_gates(x).dec, dense=dense, with_diagonal=False)
-        if dense or by_block:
+        if dense or after:
             return acc[0] + aqk, acc[1] + akk
         # Pairwise: the diagonal blocks are summed over key tiles as [R, R] blocks and placed once, after the loop.
         cols = pl.ds(j * tile, tile)
@@ -253,11 +265,12 @@ def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
         return (acc[0] + aqk, acc[1] + akk, *(a + d for a, d in zip(acc[2:], sum(map(tuple, diagonal), ()))))
 
     zeros = jnp.zeros((size, size), _F32)
-    blocks = () if dense or by_block else (jnp.zeros((ROWS, ROWS), _F32),) * (2 * num_blocks)
+    blocks = () if dense or after else (jnp.zeros((ROWS, ROWS), _F32),) * (2 * num_blocks)
     aqk, akk, *diagonal = lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros, *blocks))
-    if by_block:
-        diagonal = sum(map(tuple, _block_diagonal(q_ref, k_ref, g_ref, num_blocks, scale=scale,
-                                                  width=pairwise_width)), ())
+    if after:
+        diagonal = (_wide_diagonal(q_ref, k_ref, g_ref, num_blocks, scale=scale) if mode == "wide" else
+                    _block_diagonal(q_ref, k_ref, g_ref, num_blocks, scale=scale, width=width))
+        diagonal = sum(map(tuple, diagonal), ())
     if not dense:
         diag_qk, diag_kk = place_diagonal(list(zip(diagonal[0::2], diagonal[1::2])), size)
         aqk, akk = aqk + diag_qk, akk + diag_kk
@@ -303,13 +316,13 @@ def _tiled_intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref,
 
 @with_precision
 def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref, kd_ref, u_ref, d_ref, aqk_ref, *,
-                       scale, dense, tile, pairwise_width):
+                       scale, dense, tile, pairwise):
     """The inference forward's per-chunk work in one program (Tuning.output_from_scores without split_intra): the
     scores and the solve, then only what the state scan and o read: w, kd, D per key tile, u per value tile, Aqk.
     The inverse never leaves the program, and the second pass re-reads the chunk's tiles while they are cached."""
     key_dim, value_dim = q_ref.shape[1], v_ref.shape[1]
     inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
-    aqk, _, t = _solved_scores(*inputs, scale=scale, dense=dense, tile=tile, pairwise_width=pairwise_width)
+    aqk, _, t = _solved_scores(*inputs, scale=scale, dense=dense, tile=tile, pairwise=pairwise)
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
     beta = beta_ref[...].astype(_F32)[:, None]
 
@@ -331,11 +344,11 @@ def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, 
 
 
 @with_precision
-def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile, pairwise_width):
+def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile, pairwise):
     """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve. out_refs: Aqk, Akk, T
     (Akk is kept for the backward only), or Aqk, T."""
     aqk, akk, t = _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense,
-                                 tile=tile, pairwise_width=pairwise_width)
+                                 tile=tile, pairwise=pairwise)
     for ref, value in zip(out_refs, (aqk, akk, t) if len(out_refs) == 3 else (aqk, t)):
         ref[...] = value.astype(ref.dtype)
 
@@ -400,7 +413,7 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     lean = lean and key_dim == value_dim
     scores = pl.pallas_call(
         functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
-                          pairwise_width=pairwise_width(tuning, key_dim)),
+                          pairwise=(tuning.pairwise, pairwise_width(tuning, key_dim))),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]],
         out_specs=[chunk_tile(chunk, chunk)] * (2 if lean else 3),
@@ -506,7 +519,7 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
     if tiled and lean:
         w, kd, u, d, aqk = pl.pallas_call(
             functools.partial(_tiled_lean_kernel, scale=scale, dense=dense, precision=precision, tile=tile,
-                              pairwise_width=pairwise_width(tuning, key_dim)),
+                              pairwise=(tuning.pairwise, pairwise_width(tuning, key_dim))),
             grid=(chunks, value_heads),
             in_specs=input_specs(chunk, key_dim, value_dim, value_heads // heads),
             out_specs=[chunk_tile(chunk, key_dim)] * 2 + [chunk_tile(chunk, value_dim), chunk_vector(key_dim),

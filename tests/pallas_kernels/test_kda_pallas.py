@@ -278,9 +278,38 @@ def test_block_form_pairwise_diagonal_matches_reference(monkeypatch):
         assert relative_rms_error(np.asarray(columns[name]), np.asarray(got[name])) < 1e-6, name
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_wide_pairwise_diagonal_matches_reference(monkeypatch, split):
+    # Tuning(pairwise="wide"): the forward's column loop once over the whole key width (two 8-channel tiles here)
+    # after the key-tile loop, in the split scores kernel and in the one-kernel inference forward; fp32 bars and the
+    # in-loop column form's results.
+    from pallas_kernels.kda import pallas_fwd
+    traced = []
+    wide = pallas_fwd._wide_diagonal
+    monkeypatch.setattr(pallas_fwd, "_wide_diagonal", lambda *a, **kw: traced.append(a[0].shape) or wide(*a, **kw))
+    tuning = pallas_fwd.Tuning(pairwise="wide", intra_tile=8, split_intra=split, output_from_scores=not split)
+    _interpret_with(monkeypatch, tuning)
+    x = random_inputs(13, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
+                      gate="softplus", g_min=None)
+    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    forward = lambda backend: chunk_kda(*args, initial_state=x["initial_state"], output_final_state=True,  # noqa
+                                        chunk_size=64, backend=backend, segment_ids=ids)
+    got, ref = forward("interpret"), forward("reference")
+    assert traced and all(shape == (64, 16) for shape in traced)  # whole key width
+    for name, a, b in zip(("o", "state"), ref, got):
+        assert relative_rms_error(np.asarray(a), np.asarray(b)) < 1e-5, name
+    _interpret_with(monkeypatch, dataclasses.replace(tuning, pairwise="columns"))
+    for name, a, b in zip(("o", "state"), forward("interpret"), got):
+        assert relative_rms_error(np.asarray(a), np.asarray(b)) < 1e-6, name
+    if split:  # the training forward and the backward with it
+        _interpret_with(monkeypatch, tuning)
+        _compare(x, None, 64, ids, tol=1e-5)
+
+
 def test_channel_and_pairwise_tunings_are_checked():
     from pallas_kernels.kda.pallas_fwd import Tuning, output_tile, pairwise_width
-    assert pairwise_width(Tuning(), 128) == 0
+    assert pairwise_width(Tuning(), 128) == 0 and pairwise_width(Tuning(pairwise="wide"), 128) == 0
     assert output_tile(Tuning(), 128, 128) == 32 and output_tile(Tuning(output_tile=128), 128, 128) == 128
     with pytest.raises(ValueError, match="output_tile must divide.*128, 64.*got 128"):
         output_tile(Tuning(output_tile=128), 128, 64)
@@ -326,7 +355,7 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
 
 @pytest.mark.parametrize("tuning_text, grads", [("output_from_scores=1", False),
                                                 ("output_from_scores=1,split_intra=0", False),
-                                                ("pairwise=block,key_tile=16", True)])
+                                                ("pairwise=block,key_tile=16", True), ("pairwise=wide", True)])
 def test_opt_in_gpu_kernels_lower_for_cuda(tuning_text, grads):
     # The opt-in kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a
     # Triton custom call (what fails here would fail on the GPU before compiling).
