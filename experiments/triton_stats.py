@@ -44,6 +44,7 @@ flags.declare_key_flag("tuning")
 FLAGS.set_default("shape", "1x1024x16x128")
 flags.DEFINE_integer("chunk_size", 64, "chunk_kda's chunk_size.")
 flags.DEFINE_list("kernels", [], "Only kernels whose name contains one of these substrings (empty: all).")
+flags.DEFINE_bool("forward_only", False, "Lower the forward alone (no backward): the inference forward's kernels.")
 flags.DEFINE_string("keep_dir", "", "Keep each kernel's TTIR, TTGIR, LLVM IR, PTX, cubin and ptxas log in DIR/GATE/.")
 flags.DEFINE_string("ptxas", "", "ptxas binary (empty: the one Triton uses: $TRITON_PTXAS_PATH, else its bundled one).")
 flags.DEFINE_integer("compile_timeout", 600, "Seconds one kernel's compile (Triton + ptxas) may take.")
@@ -72,8 +73,9 @@ class Kernel:
 # Lowering and extraction (parent process; JAX only).
 
 
-def kda_value_and_grad(tuning, g_min, chunk_size):
-    """value_and_grad of sum(o * do) in q, k, v, g, beta, with the Pallas kernels at this tuning."""
+def kda_value_and_grad(tuning, g_min, chunk_size, forward_only=False):
+    """value_and_grad of sum(o * do) in q, k, v, g, beta, with the Pallas kernels at this tuning (forward_only: the
+    value alone, i.e. the inference forward's kernels)."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels.kda import api
@@ -89,7 +91,7 @@ def kda_value_and_grad(tuning, g_min, chunk_size):
                    diagonal=diagonal)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
-    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    return loss if forward_only else jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
 
 
 def lower_for_cuda(fn, shape):
@@ -345,7 +347,7 @@ def main(argv):
         for gate in FLAGS.gates:
             start = time.perf_counter()
             g_min = G_MIN if gate == "bounded" else None
-            module = lower_for_cuda(kda_value_and_grad(tuning, g_min, FLAGS.chunk_size), shape)
+            module = lower_for_cuda(kda_value_and_grad(tuning, g_min, FLAGS.chunk_size, FLAGS.forward_only), shape)
             kernels = triton_kernels(module)
             found = [k.name for k in kernels]
             if FLAGS.kernels:
