@@ -284,7 +284,7 @@ def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd
 def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tuning, interpret, precision,
                 dv_dtype=_F32):
     """Back through ol = Aqk u, qp = qd - Aqk w and the solve: dAqk, dAkk [BN, HV, C, C] (bf16 when every per-chunk
-    product rounds its operands to bf16, Tuning.intra_operands="bf16", else fp32), d(kb) [BN, HV, C, K], dv
+    product rounds its operands to bf16, Tuning.backward_operands="bf16", else fp32), d(kb) [BN, HV, C, K], dv
     [BN, C, HV, V] (in dv_dtype) and the direct part of dbeta [BN, C, HV]."""
     chunks, chunk, heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2:]
@@ -294,7 +294,7 @@ def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tun
     beta_spec = pl.BlockSpec((None, chunk, None), lambda n, h: (n, 0, h))
     specs = input_specs(chunk, key_dim, value_dim, value_heads // heads)
     tile = tuning.intra_tile
-    precision = intra_precision(tuning, precision, k.dtype)
+    precision = intra_precision(tuning, precision, k.dtype, backward=True)
     if tile and key_dim % tile == 0 and value_dim % tile == 0:
         score_kernel = functools.partial(_tiled_score_grad_kernel, precision=precision, tile=tile)
     else:
@@ -333,11 +333,11 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
     doc_spec = pl.BlockSpec((None, chunk), lambda n, h, j: (n, 0))
     dd_spec = pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))
     kernel = _input_grad_kernel
-    if input_bwd_rows(tuning, dense):  # by_block: the unbounded diagonal blocks as [R, R, Kt] (Tuning.pairwise)
+    if input_bwd_rows(tuning, dense, q.dtype):  # by_block: unbounded diagonal blocks as [R, R, Kt]
         kernel = functools.partial(_row_block_input_grad_kernel, by_block=pairwise_width(tuning, key_dim) > 0)
     dq, dk, dg = pl.pallas_call(
         functools.partial(kernel, scale=scale, dense=dense,
-                          precision=intra_precision(tuning, precision, q.dtype)),
+                          precision=intra_precision(tuning, precision, q.dtype, backward=True)),
         grid=(chunks, value_heads, key_dim // kt),
         in_specs=[qk, qk, head_k, rows, doc_spec, doc_spec, scores, scores, tile_k, tile_k, tile_k, dd_spec],
         out_specs=[head_k] * 3,

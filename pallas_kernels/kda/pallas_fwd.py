@@ -26,8 +26,8 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Launch parameters of the kernels. The defaults are the fastest measured on the H200 at B=1, T=32768, H=16,
-    K=V=128 (`experiments/profile_kda.py`, results in benchmarks/notes_kda.md, v5)."""
+    """Launch parameters of the kernels. The defaults are the fastest measured on the H200 (and H100) at B=1,
+    T=32768, H=16, K=V=128 (`experiments/trace_kda.py`, `experiments/bench_kda.py`; benchmarks/notes_kda.md, v5-v8)."""
 
     # Value columns per program of the forward scan (more programs, less work each); the backward scan's, 0: the same.
     state_tile: int = 32
@@ -44,9 +44,9 @@ class Tuning:
     # tile) and u, ol per (chunk, value tile) in small kernels of `output_warps` warps. False: one kernel.
     split_intra: bool = True
     output_warps: int = 4
-    # Channels per program of the split forward's output kernels (0: intra_tile). Wider tiles read the chunk's [C, C]
-    # scores and inverse fewer times (once per tile) at the cost of more live registers per program.
-    output_tile: int = 0
+    # Channels per program of the split forward's output kernels (0: intra_tile; at most K and V). Wider tiles read
+    # the chunk's [C, C] scores and inverse fewer times (once per tile) at the cost of more live registers.
+    output_tile: int = 64
     intra_warps: int = 4
     score_bwd_warps: int = 4
     input_bwd_warps: int = 4
@@ -62,15 +62,20 @@ class Tuning:
     # Multiply in the scans with the state (and v_new, dS) rounded to the stored intermediates' dtype (bf16 for bf16
     # inputs), accumulating in fp32; the state itself stays fp32. False: TF32 products of fp32 operands.
     scan_low_precision: bool = True
-    # Matmul operands of the per-chunk kernels (forward, score and input backward) for 16-bit inputs: "tf32" (fp32
-    # tiles), "bf16_scores" (bf16 in the decayed-score products and their gradients only) or "bf16" (every product;
-    # the one-hot block moves stay exact). fp32 accumulation throughout. Errors: benchmarks/notes_kda.md. Not timed.
-    intra_operands: str = "tf32"
+    # Matmul operands of the forward's per-chunk kernels for 16-bit inputs: "tf32" (fp32 tiles), "bf16_scores" (bf16
+    # in the decayed-score products only) or "bf16" (every product; the one-hot block moves stay exact). fp32
+    # accumulation throughout. "bf16" puts o at 0.9-1.0 of its bar (relative RMS 4.4e-3 at K = 128 on the H200,
+    # 5.0e-3 at K = 32), so the forward defaults to "bf16_scores" (benchmarks/notes_kda.md, v8).
+    intra_operands: str = "bf16_scores"
+    # The same for the backward's per-chunk kernels (score and input gradients); "" : as intra_operands. Their
+    # gradients stay at or under 0.66 of the bars with bf16 operands, which take the input backward from 5.4 to 4.1 ms
+    # (H200, T = 32768).
+    backward_operands: str = "bf16"
     # Forward without a backward (inference): the states scanned alone and o = (Q e^Gamma) S + Aqk v_new in a kernel
     # parallel over chunks, as fla orders it, so the outputs kernel writes w, kd, u only (no qp, ol). The training
     # forward keeps qp (the reverse scan reads it). Channel-tiled forward only (intra_tile > 0), and K = V when split;
-    # unsplit, one kernel per chunk writes w, kd, u and Aqk (the inverse stays in the program).
-    output_from_scores: bool = False
+    # unsplit, one kernel per chunk writes w, kd, u and Aqk (the inverse stays in the program; slower on the H200).
+    output_from_scores: bool = True
     # Exact diagonal blocks of the unbounded gate: "columns" (a loop over the block's 16 columns, [R, Kt] work per
     # step), "wide" (the forward's column loop once over the whole key width after the key-tile loop: a quarter of
     # the steps and cross-lane sums at K = 4 Kt; the backward as "columns") or "block" (all pairs at once as
@@ -120,25 +125,31 @@ def pairwise_width(tuning, key_dim):
 INPUT_BWD = ("auto", "rows", "tiles")
 
 
-def input_bwd_rows(tuning, dense):
-    """Whether the input backward runs by 16-row blocks (Tuning.input_bwd)."""
+def input_bwd_rows(tuning, dense, dtype=jnp.bfloat16):
+    """Whether the input backward runs by 16-row blocks (Tuning.input_bwd) for inputs of this dtype. "auto" never
+    picks rows for fp32 inputs: their three-pass TF32 products need more shared memory than an H100/H200 SM has
+    (254 KB requested of 227 KB, measured), and the whole-tile kernel fits."""
     if tuning.input_bwd not in INPUT_BWD:
         raise ValueError(f"Tuning.input_bwd must be one of {INPUT_BWD}, got {tuning.input_bwd!r}")
     if tuning.input_bwd == "auto":
-        return not dense or tuning.intra_operands != "tf32"
+        sixteen_bit = dtype in (jnp.bfloat16, jnp.float16)
+        return sixteen_bit and (not dense or (tuning.backward_operands or tuning.intra_operands) != "tf32")
     return tuning.input_bwd == "rows"
 
 
 INTRA_OPERANDS = {"tf32": None, "bf16_scores": blk.BF16_SCORES, "bf16": blk.BF16_OPERANDS}
 
 
-def intra_precision(tuning, precision, dtype):
-    """The matmul precision of the per-chunk kernels: Tuning.intra_operands for 16-bit inputs, else `precision`."""
-    if tuning.intra_operands not in INTRA_OPERANDS:
-        raise ValueError(f"Tuning.intra_operands must be one of {sorted(INTRA_OPERANDS)}, got "
-                         f"{tuning.intra_operands!r}")
+def intra_precision(tuning, precision, dtype, backward=False):
+    """The matmul precision of the per-chunk kernels: Tuning.intra_operands (backward: Tuning.backward_operands) for
+    16-bit inputs, else `precision`."""
+    for name in ("intra_operands", "backward_operands"):
+        value = getattr(tuning, name)
+        if value not in INTRA_OPERANDS and not (name == "backward_operands" and value == ""):
+            raise ValueError(f"Tuning.{name} must be one of {sorted(INTRA_OPERANDS)}, got {value!r}")
+    operands = (tuning.backward_operands or tuning.intra_operands) if backward else tuning.intra_operands
     if dtype in (jnp.bfloat16, jnp.float16):
-        return INTRA_OPERANDS[tuning.intra_operands] or precision
+        return INTRA_OPERANDS[operands] or precision
     return precision
 
 
@@ -393,8 +404,8 @@ def _lean_outputs_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, t_ref
 
 
 def output_tile(tuning, key_dim, value_dim):
-    """Channels per program of the split forward's output kernels (Tuning.output_tile, 0: intra_tile)."""
-    tile = tuning.output_tile or tuning.intra_tile
+    """Channels per program of the split forward's output kernels (Tuning.output_tile, 0: intra_tile; at most K, V)."""
+    tile = min(tuning.output_tile or tuning.intra_tile, key_dim, value_dim)
     if tile < 1 or key_dim % tile or value_dim % tile:
         raise ValueError(f"Tuning.output_tile must divide the key and value dimensions ({key_dim}, {value_dim}), "
                          f"got {tile}")

@@ -178,9 +178,10 @@ def test_channel_tiled_kernels_match_reference(monkeypatch, gate, g_min, split):
 @pytest.mark.parametrize("operands", ["bf16_scores", "bf16"])
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
 def test_bf16_operands_in_the_per_chunk_kernels_meet_the_bf16_bars(monkeypatch, operands, gate, g_min):
-    # Tuning(intra_operands=operands): per-chunk matmuls on bf16 operands (fp32 accumulation) for bf16 inputs.
+    # Tuning(intra_operands=operands, backward_operands=""): per-chunk matmuls of both passes on bf16 operands (fp32
+    # accumulation) for bf16 inputs.
     from pallas_kernels.kda.pallas_fwd import Tuning
-    _interpret_with(monkeypatch, Tuning(intra_operands=operands))
+    _interpret_with(monkeypatch, Tuning(intra_operands=operands, backward_operands=""))
     x = random_inputs(7, batch=1, seq_len=200, heads=1, value_heads=2, key_dim=32, value_dim=32, gate=gate,
                       g_min=-5.0, dtype=jnp.bfloat16)
     tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
@@ -195,7 +196,7 @@ def test_bf16_ungrouped_path_writes_input_dtypes_and_16_bit_residuals(monkeypatc
     # in the inputs' dtypes by the kernels. Still within the bf16 bars.
     from pallas_kernels.kda import pallas_fwd
     from pallas_kernels.kda.pallas_fwd import Tuning
-    tuning = Tuning(intra_operands=operands)
+    tuning = Tuning(intra_operands=operands, backward_operands="")
     _interpret_with(monkeypatch, tuning)
     x = random_inputs(9, batch=1, seq_len=150, heads=2, value_heads=2, key_dim=32, value_dim=32, gate="bounded",
                       g_min=-5.0, dtype=jnp.bfloat16)
@@ -243,11 +244,34 @@ def test_row_block_input_backward_matches_reference(monkeypatch, gate, g_min):
         assert relative_rms_error(np.asarray(whole[name]), np.asarray(rows[name])) < 1e-6, name
 
 
+def test_default_operands_bf16_scores_forward_bf16_backward(monkeypatch):
+    # The defaults: bf16 operands in the forward's decayed-score products only (TF32 in w, u, the solve and o), bf16
+    # in every backward per-chunk product; within the bf16 bars at the GPU chunk size (GVA, documents).
+    from pallas_kernels.kda import pallas_blocks as blk
+    from pallas_kernels.kda.pallas_fwd import Tuning, intra_precision
+    assert intra_precision(Tuning(), None, jnp.bfloat16) == blk.BF16_SCORES
+    assert intra_precision(Tuning(), None, jnp.bfloat16, backward=True) == blk.BF16_OPERANDS
+    assert intra_precision(Tuning(), "x3", jnp.float32, backward=True) == "x3"  # fp32 inputs keep their precision
+    with pytest.raises(ValueError, match="backward_operands must be one of"):
+        intra_precision(Tuning(backward_operands="fp8"), None, jnp.bfloat16)
+    _interpret_with(monkeypatch, Tuning())
+    x = random_inputs(5, batch=1, seq_len=500, heads=2, value_heads=4, key_dim=32, value_dim=32, gate="bounded",
+                      g_min=-5.0, dtype=jnp.bfloat16)
+    tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
+    _compare(x, -5.0, 64, _segments(1, 500), tol=tol)
+
+
 def test_input_backward_form_follows_the_gate_and_operands():
     from pallas_kernels.kda.pallas_fwd import Tuning, input_bwd_rows
-    assert not input_bwd_rows(Tuning(), dense=True)  # bounded, TF32: whole tiles
-    assert input_bwd_rows(Tuning(), dense=False)  # unbounded: rows
-    assert input_bwd_rows(Tuning(intra_operands="bf16"), dense=True)
+    tf32 = Tuning(intra_operands="tf32", backward_operands="tf32")
+    assert not input_bwd_rows(tf32, dense=True)  # bounded, TF32: whole tiles
+    assert input_bwd_rows(tf32, dense=False)  # unbounded: rows
+    assert input_bwd_rows(Tuning(intra_operands="tf32", backward_operands="bf16"), dense=True)
+    assert input_bwd_rows(Tuning(intra_operands="bf16", backward_operands=""), dense=True)
+    assert not input_bwd_rows(Tuning(intra_operands="tf32", backward_operands=""), dense=True)
+    # fp32 inputs: whole tiles whatever the gate and operands (rows with three-pass TF32 overflow shared memory)
+    assert not input_bwd_rows(Tuning(intra_operands="bf16"), dense=True, dtype=jnp.float32)
+    assert not input_bwd_rows(Tuning(), dense=False, dtype=jnp.float32)
     assert input_bwd_rows(Tuning(input_bwd="rows"), dense=True)
     assert not input_bwd_rows(Tuning(input_bwd="tiles"), dense=False)
     with pytest.raises(ValueError, match="input_bwd.*'row'"):
@@ -310,9 +334,10 @@ def test_wide_pairwise_diagonal_matches_reference(monkeypatch, split):
 def test_channel_and_pairwise_tunings_are_checked():
     from pallas_kernels.kda.pallas_fwd import Tuning, output_tile, pairwise_width
     assert pairwise_width(Tuning(), 128) == 0 and pairwise_width(Tuning(pairwise="wide"), 128) == 0
-    assert output_tile(Tuning(), 128, 128) == 32 and output_tile(Tuning(output_tile=128), 128, 128) == 128
-    with pytest.raises(ValueError, match="output_tile must divide.*128, 64.*got 128"):
-        output_tile(Tuning(output_tile=128), 128, 64)
+    assert output_tile(Tuning(output_tile=0), 128, 128) == 32 and output_tile(Tuning(output_tile=128), 128, 128) == 128
+    assert output_tile(Tuning(output_tile=128), 128, 64) == 64  # at most K and V
+    with pytest.raises(ValueError, match="output_tile must divide.*96, 96.*got 64"):
+        output_tile(Tuning(output_tile=64), 96, 96)
     assert pairwise_width(Tuning(pairwise="block", pairwise_width=16), 128) == 16
     with pytest.raises(ValueError, match="pairwise_width must divide.*128, got 48"):
         pairwise_width(Tuning(pairwise="block", pairwise_width=48), 128)
