@@ -44,6 +44,7 @@ flags.declare_key_flag("tuning")
 FLAGS.set_default("shape", "1x1024x16x128")
 flags.DEFINE_integer("chunk_size", 64, "chunk_kda's chunk_size.")
 flags.DEFINE_list("kernels", [], "Only kernels whose name contains one of these substrings (empty: all).")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "dtype of q, k, v and beta (g is fp32).")
 flags.DEFINE_bool("forward_only", False, "Lower the forward alone (no backward): the inference forward's kernels.")
 flags.DEFINE_string("keep_dir", "", "Keep each kernel's TTIR, TTGIR, LLVM IR, PTX, cubin and ptxas log in DIR/GATE/.")
 flags.DEFINE_string("ptxas", "", "ptxas binary (empty: the one Triton uses: $TRITON_PTXAS_PATH, else its bundled one).")
@@ -101,9 +102,10 @@ def lower_for_cuda(fn, shape):
     from jax.sharding import AbstractDevice, AbstractMesh
 
     batch, seq_len, heads, dim = shape
-    tokens = jax.ShapeDtypeStruct((batch, seq_len, heads, dim), jnp.bfloat16)
+    dtype = jnp.dtype(FLAGS.dtype)
+    tokens = jax.ShapeDtypeStruct((batch, seq_len, heads, dim), dtype)
     gate = jax.ShapeDtypeStruct((batch, seq_len, heads, dim), jnp.float32)
-    beta = jax.ShapeDtypeStruct((batch, seq_len, heads), jnp.bfloat16)
+    beta = jax.ShapeDtypeStruct((batch, seq_len, heads), dtype)
     device = AbstractDevice(device_kind=ABSTRACT_DEVICE_KIND, num_cores=132, platform="gpu")
     # Pallas's Triton lowering reads the target's compute capability from the abstract mesh's device.
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):

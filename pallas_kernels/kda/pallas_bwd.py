@@ -14,7 +14,7 @@ from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, pairw
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
 from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, input_bwd_rows, input_specs, intra_precision,
                                            operand_cast, pairwise_width, ref_chunk, saved_state_dtype, scan_load,
-                                           score_dtype, sequence_specs, with_precision)
+                                           scan_params, score_dtype, sequence_specs, with_precision)
 
 _F32 = jnp.float32
 
@@ -58,7 +58,7 @@ def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
                                         saved_state_dtype(tuning, w.dtype)),
                    jax.ShapeDtypeStruct((chunks, value_heads, chunk, value_dim), _F32),
                    jax.ShapeDtypeStruct(ds_final.shape, _F32)],
-        compiler_params=compiler_params(tuning.state_warps, tuning.state_stages),
+        compiler_params=scan_params(tuning, w.dtype),
         interpret=interpret,
         name="kda_state_bwd",
     )(w, qp, kd, d, do, ds_final)

@@ -52,7 +52,8 @@ class Tuning:
     input_bwd_warps: int = 4
     state_side_warps: int = 4
     state_warps: int = 4
-    # Software-pipelining depth of the scans' chunk loops (Triton num_stages).
+    # Software-pipelining depth of the scans' chunk loops (Triton num_stages); at most 2 for fp32 intermediates (fp32
+    # inputs), whose three-stage reverse scan asked for 254 KB of shared memory on the H100 (227 KB per SM).
     state_stages: int = 3
     # Scan only the states and compute o = ol + qp S from the stored states in a kernel parallel over chunks: two
     # matmuls and three loads per step on the serial path instead of three and five. Costs memory without a backward:
@@ -161,6 +162,12 @@ def score_dtype(precision):
 
 def compiler_params(warps, stages=None):
     return pl_triton.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def scan_params(tuning, dtype):
+    """Launch parameters of the scans over chunks of intermediates of this dtype (see Tuning.state_stages)."""
+    stages = tuning.state_stages if jnp.dtype(dtype).itemsize <= 2 else min(tuning.state_stages, 2)
+    return compiler_params(tuning.state_warps, stages)
 
 
 def ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, doc_row_ref=None):
@@ -634,7 +641,7 @@ def _states_scan(w, kd, u, d, initial_state, *, tuning, interpret, precision):
         out_shape=[jax.ShapeDtypeStruct(initial_state.shape, _F32),
                    jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), saved_state_dtype(tuning, u.dtype)),
                    jax.ShapeDtypeStruct(u.shape, u.dtype)],
-        compiler_params=compiler_params(tuning.state_warps, tuning.state_stages),
+        compiler_params=scan_params(tuning, u.dtype),
         interpret=interpret,
         name="kda_states_fwd",
     )(w, kd, u, d, initial_state)
@@ -732,7 +739,7 @@ def state_scan(w, qp, kd, u, ol, d, initial_state, *, out_dtype, tuning, interpr
         in_specs=[keys(chunk)] * 3 + [values(chunk)] * 2 + [vector, state],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=compiler_params(tuning.state_warps, tuning.state_stages),
+        compiler_params=scan_params(tuning, u.dtype),
         interpret=interpret,
         name="kda_state_fwd",
     )(w, qp, kd, u, ol, d, initial_state)

@@ -420,3 +420,12 @@ def test_state_side_tile_must_divide_the_key_dimension():
     jax.eval_shape(functools.partial(grads, tuning=Tuning(state_side_tile=32)), s, s, c, do, c)
     with pytest.raises(ValueError, match="state_side_tile must be a positive divisor of the key dimension 96.*got 64"):
         jax.eval_shape(functools.partial(grads, tuning=Tuning(state_side_tile=64)), s, s, c, do, c)
+
+
+def test_scans_take_at_most_two_stages_for_fp32_intermediates():
+    # Three pipeline stages of fp32 chunk tiles overflowed an SM's shared memory in the reverse scan (H100, fp32
+    # inputs); bf16 intermediates keep the tuned depth.
+    from pallas_kernels.kda.pallas_fwd import Tuning, scan_params
+    assert scan_params(Tuning(), jnp.bfloat16).num_stages == 3
+    assert scan_params(Tuning(), jnp.float32).num_stages == 2
+    assert scan_params(Tuning(state_stages=1), jnp.float32).num_stages == 1
