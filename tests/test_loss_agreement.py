@@ -1,6 +1,6 @@
-"""The model-level KDA check's verdict (experiments/compare_kda_backends.py), on made-up loss curves."""
+"""The model-level KDA check's verdict (experiments/loss_agreement.py, used by experiments/compare_kda_backends.py), on made-up loss curves."""
 
-from experiments.compare_kda_backends import compare, verdict
+from experiments.loss_agreement import compare, verdict
 
 
 def _curves(noise, gap, steps=5, pallas_steps=None):
