@@ -61,12 +61,20 @@ def kda_pallas(q, k, v, g, beta, initial_state, segment_ids, *, scale, chunk_siz
     return o.reshape(v.shape), state
 
 
+def lean_forward(tuning, store_dtype):
+    """Whether the forward without a backward takes o from the scores (Tuning.output_from_scores): for 16-bit
+    intermediates only. With fp32 ones its per-chunk output kernel reads a whole fp32 [K, V] state and [C, K] tiles
+    with three-pass TF32 products: 192 KB of shared memory in a local sm_90a compile, too close to an SM's 227 KB
+    (XLA's Triton asked for 15% more than that compile in the one kernel measured both ways)."""
+    return tuning.output_from_scores and jnp.dtype(store_dtype).itemsize <= 2
+
+
 def _forward(cfg, q, k, v, g, beta, state, doc, doc_prev, *, save_states):
     kw = dict(tuning=cfg.tuning, interpret=cfg.interpret, precision=cfg.precision)
     # bf16 inputs keep the intermediates in bf16 (half the scans' traffic; within the error bars), fp32 in fp32.
     store = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
     # Without a backward, o can come from the scores (Tuning.output_from_scores): no qp, ol to write and read.
-    lean = not save_states and cfg.tuning.output_from_scores
+    lean = not save_states and lean_forward(cfg.tuning, store)
     w, qp, kd, u, ol, d, *scores = intra_forward(q, k, v, g, beta, doc, doc_prev, scale=cfg.scale, dense=cfg.dense,
                                                  store_dtype=store, save_scores=save_states, lean=lean, **kw)
     if qp is None:  # the lean per-chunk outputs ran (split, channel-tiled kernels, K = V)

@@ -307,7 +307,8 @@ def test_wide_pairwise_diagonal_matches_reference(monkeypatch, split):
     # Tuning(pairwise="wide"): the forward's column loop once over the whole key width (two 8-channel tiles here)
     # after the key-tile loop, in the split scores kernel and in the one-kernel inference forward; fp32 bars and the
     # in-loop column form's results.
-    from pallas_kernels.kda import pallas_fwd
+    from pallas_kernels.kda import pallas_fwd, pallas_op
+    monkeypatch.setattr(pallas_op, "lean_forward", lambda tuning, store: tuning.output_from_scores)  # fp32 here
     traced = []
     wide = pallas_fwd._wide_diagonal
     monkeypatch.setattr(pallas_fwd, "_wide_diagonal", lambda *a, **kw: traced.append(a[0].shape) or wide(*a, **kw))
@@ -354,7 +355,11 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
     # scores; GVA, documents inside chunks, an initial state, a padded length. output_tile=16: the output kernels
     # take both channel tiles of the scores kernel's loop at once; split False: one per-chunk kernel (scores, solve,
     # w, kd, u) instead of the scores kernel and the lean outputs kernel.
+    from pallas_kernels.kda import pallas_op
     from pallas_kernels.kda.pallas_fwd import Tuning
+    assert not pallas_op.lean_forward(Tuning(), jnp.float32)  # fp32 intermediates keep qp and ol on the GPU
+    # the fp32 run checks the lean kernels' algebra to 1e-5 in interpret mode
+    monkeypatch.setattr(pallas_op, "lean_forward", lambda tuning, store: tuning.output_from_scores)
     _interpret_with(monkeypatch, Tuning(output_from_scores=True, intra_tile=8, output_tile=output_tile,
                                         split_intra=split))
     x = random_inputs(12, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
