@@ -1,4 +1,5 @@
-"""The model-level KDA check's verdict (experiments/loss_agreement.py, used by experiments/compare_kda_backends.py), on made-up loss curves."""
+"""The model-level KDA check's verdict (experiments/loss_agreement.py, used by
+experiments/compare_kda_backends.py), on made-up loss curves."""
 
 from experiments.loss_agreement import compare, verdict
 
