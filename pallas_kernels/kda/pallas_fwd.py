@@ -76,6 +76,7 @@ class Tuning:
     # parallel over chunks, as fla orders it, so the outputs kernel writes w, kd, u only (no qp, ol). The training
     # forward keeps qp (the reverse scan reads it). Channel-tiled forward only (intra_tile > 0), and K = V when split;
     # unsplit, one kernel per chunk writes w, kd, u and Aqk (the inverse stays in the program; slower on the H200).
+    # 16-bit inputs only (pallas_op.lean_forward: with fp32 ones the output kernel needs too much shared memory).
     output_from_scores: bool = True
     # Exact diagonal blocks of the unbounded gate: "columns" (a loop over the block's 16 columns, [R, Kt] work per
     # step), "wide" (the forward's column loop once over the whole key width after the key-tile loop: a quarter of
@@ -87,8 +88,8 @@ class Tuning:
     # Input backward: "rows" (one 16-row block at a time: [R, C] x [C, Kt] products, a quarter of the masked whole-tile
     # ones' multiply-adds, [R, Kt] results live), "tiles" (whole [C, Kt] tiles: masked [C, C] x [C, Kt] products,
     # which Triton issues as warpgroup MMAs) or "auto": rows for the unbounded gate (the pairwise diagonal's
-    # gradients are per block anyway) and for bf16 score operands, tiles otherwise (the faster of the two in each
-    # case on the H100/H200, benchmarks/notes_kda.md v7).
+    # gradients are per block anyway) and for bf16 backward operands, tiles otherwise (the faster of the two in each
+    # case on the H100/H200, benchmarks/notes_kda.md v7); always tiles for fp32 inputs (see input_bwd_rows).
     input_bwd: str = "auto"
 
     @classmethod
@@ -146,8 +147,9 @@ def intra_precision(tuning, precision, dtype, backward=False):
     16-bit inputs, else `precision`."""
     for name in ("intra_operands", "backward_operands"):
         value = getattr(tuning, name)
-        if value not in INTRA_OPERANDS and not (name == "backward_operands" and value == ""):
-            raise ValueError(f"Tuning.{name} must be one of {sorted(INTRA_OPERANDS)}, got {value!r}")
+        allowed = sorted(INTRA_OPERANDS) + ([""] if name == "backward_operands" else [])
+        if value not in allowed:
+            raise ValueError(f"Tuning.{name} must be one of {allowed}, got {value!r}")
     operands = (tuning.backward_operands or tuning.intra_operands) if backward else tuning.intra_operands
     if dtype in (jnp.bfloat16, jnp.float16):
         return INTRA_OPERANDS[operands] or precision
@@ -155,8 +157,9 @@ def intra_precision(tuning, precision, dtype, backward=False):
 
 
 def score_dtype(precision):
-    """Storage of the saved [C, C] scores and inverse: bf16 when every per-chunk product rounds its operands to bf16
-    anyway (Tuning.intra_operands="bf16" with 16-bit inputs), else fp32."""
+    """Storage of a [C, C] per-chunk matrix (the forward's saved scores and inverse, the backward's score gradients)
+    under this matmul precision: bf16 when every product rounds its operands to bf16 anyway (BF16_OPERANDS: "bf16"
+    operands with 16-bit inputs), else fp32."""
     return jnp.bfloat16 if precision == blk.BF16_OPERANDS else _F32
 
 
@@ -297,16 +300,21 @@ def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
 
 
 def _write_key_tile(inputs, cols, aqk, t, w_ref, qp_ref, kd_ref, d_ref, *, scale):
+    """w, qp, kd and D of the key channels `cols`; aqk and qp_ref None: w, kd and D only."""
     x = _tile_input(*inputs, cols, scale=scale)
     out = key_outputs(x, chunk_gates(x), aqk, t)
     for name, ref in dict(w=w_ref, qp=qp_ref, kd=kd_ref).items():
-        ref[:, cols] = out[name].astype(ref.dtype)
+        if ref is not None:
+            ref[:, cols] = out[name].astype(ref.dtype)
     d_ref[cols] = out["d"][0]
 
 
 def _write_value_tile(v_ref, beta_ref, cols, aqk, t, u_ref, ol_ref):
+    """u and ol of the value channels `cols`; aqk and ol_ref None: u only."""
     out = value_outputs(v_ref[:, cols].astype(_F32), beta_ref[...].astype(_F32)[:, None], aqk, t)
-    u_ref[:, cols], ol_ref[:, cols] = out["u"].astype(u_ref.dtype), out["ol"].astype(ol_ref.dtype)
+    u_ref[:, cols] = out["u"].astype(u_ref.dtype)
+    if ol_ref is not None:
+        ol_ref[:, cols] = out["ol"].astype(ol_ref.dtype)
 
 
 @with_precision
@@ -342,19 +350,13 @@ def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, 
     inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
     aqk, _, t = _solved_scores(*inputs, scale=scale, dense=dense, tile=tile, pairwise=pairwise)
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
-    beta = beta_ref[...].astype(_F32)[:, None]
 
     def write_keys(j, carry):
-        cols = pl.ds(j * tile, tile)
-        x = _tile_input(*inputs, cols, scale=scale)
-        out = key_outputs(x, chunk_gates(x), None, t)
-        w_ref[:, cols], kd_ref[:, cols] = out["w"].astype(w_ref.dtype), out["kd"].astype(kd_ref.dtype)
-        d_ref[cols] = out["d"][0]
+        _write_key_tile(inputs, pl.ds(j * tile, tile), None, t, w_ref, None, kd_ref, d_ref, scale=scale)
         return carry
 
     def write_values(j, carry):
-        cols = pl.ds(j * tile, tile)
-        u_ref[:, cols] = value_outputs(v_ref[:, cols].astype(_F32), beta, None, t)["u"].astype(u_ref.dtype)
+        _write_value_tile(v_ref, beta_ref, pl.ds(j * tile, tile), None, t, u_ref, None)
         return carry
 
     lax.fori_loop(0, key_dim // tile, write_keys, 0)
@@ -402,12 +404,10 @@ def _tile_outputs_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref
 def _lean_outputs_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, t_ref, w_ref, kd_ref, d_ref, u_ref):
     """Inference forward, parts 2 and 3 (grid chunks x value heads x channel tiles, K = V): what the state scan reads
     and nothing for o: key tile j's w, kd, D and value tile j's u."""
-    x = _tile_input(k_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, slice(None), scale=1.0)
     t = t_ref[...].astype(_F32)
-    out = key_outputs(x, chunk_gates(x), None, t) | value_outputs(v_ref[...].astype(_F32), x.beta, None, t)
-    for name, ref in dict(w=w_ref, kd=kd_ref, u=u_ref).items():
-        ref[...] = out[name].astype(ref.dtype)
-    d_ref[...] = out["d"][0]
+    inputs = (k_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)  # no q: k stands in for it, unread
+    _write_key_tile(inputs, slice(None), None, t, w_ref, None, kd_ref, d_ref, scale=1.0)
+    _write_value_tile(v_ref, beta_ref, slice(None), None, t, u_ref, None)
 
 
 def output_tile(tuning, key_dim, value_dim):
