@@ -317,25 +317,31 @@ def _write_value_tile(v_ref, beta_ref, cols, aqk, t, u_ref, ol_ref):
         ol_ref[:, cols] = out["ol"].astype(ol_ref.dtype)
 
 
+def _write_output_tiles(inputs, v_ref, aqk, t, key_refs, value_refs, *, scale, tile):
+    """The one-kernel forward's output passes: w, qp, kd, D per `tile` key channels (key_refs), then u, ol per value
+    tile (value_refs); aqk None with the qp and ol refs None: w, kd, D and u only."""
+    key_dim, value_dim = inputs[0].shape[1], v_ref.shape[1]
+
+    def write_keys(j, carry):
+        _write_key_tile(inputs, pl.ds(j * tile, tile), aqk, t, *key_refs, scale=scale)
+        return carry
+
+    def write_values(j, carry):
+        _write_value_tile(v_ref, inputs[3], pl.ds(j * tile, tile), aqk, t, *value_refs)
+        return carry
+
+    lax.fori_loop(0, key_dim // tile, write_keys, 0)
+    lax.fori_loop(0, value_dim // tile, write_values, 0)
+
+
 @with_precision
 def _tiled_intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref, qp_ref, kd_ref, u_ref, ol_ref,
                         d_ref, *score_refs, scale, dense, tile):
     """The per-chunk forward, `tile` key (then value) channels at a time: pass 1 sums the decayed scores over key
     tiles, then T = (I + diag(beta) Akk)^-1, pass 2 writes w, qp, kd per key tile, pass 3 u, ol per value tile."""
-    key_dim, value_dim = q_ref.shape[1], v_ref.shape[1]
     inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
     aqk, akk, t = _solved_scores(*inputs, scale=scale, dense=dense, tile=tile)
-
-    def write_keys(j, carry):
-        _write_key_tile(inputs, pl.ds(j * tile, tile), aqk, t, w_ref, qp_ref, kd_ref, d_ref, scale=scale)
-        return carry
-
-    def write_values(j, carry):
-        _write_value_tile(v_ref, beta_ref, pl.ds(j * tile, tile), aqk, t, u_ref, ol_ref)
-        return carry
-
-    lax.fori_loop(0, key_dim // tile, write_keys, 0)
-    lax.fori_loop(0, value_dim // tile, write_values, 0)
+    _write_output_tiles(inputs, v_ref, aqk, t, (w_ref, qp_ref, kd_ref, d_ref), (u_ref, ol_ref), scale=scale, tile=tile)
     for ref, value in zip(score_refs, (aqk, akk, t)):  # the backward's residuals
         ref[...] = value
 
@@ -346,21 +352,10 @@ def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, 
     """The inference forward's per-chunk work in one program (Tuning.output_from_scores without split_intra): the
     scores and the solve, then only what the state scan and o read: w, kd, D per key tile, u per value tile, Aqk.
     The inverse never leaves the program, and the second pass re-reads the chunk's tiles while they are cached."""
-    key_dim, value_dim = q_ref.shape[1], v_ref.shape[1]
     inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
     aqk, _, t = _solved_scores(*inputs, scale=scale, dense=dense, tile=tile, pairwise=pairwise)
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
-
-    def write_keys(j, carry):
-        _write_key_tile(inputs, pl.ds(j * tile, tile), None, t, w_ref, None, kd_ref, d_ref, scale=scale)
-        return carry
-
-    def write_values(j, carry):
-        _write_value_tile(v_ref, beta_ref, pl.ds(j * tile, tile), None, t, u_ref, None)
-        return carry
-
-    lax.fori_loop(0, key_dim // tile, write_keys, 0)
-    lax.fori_loop(0, value_dim // tile, write_values, 0)
+    _write_output_tiles(inputs, v_ref, None, t, (w_ref, None, kd_ref, d_ref), (u_ref, None), scale=scale, tile=tile)
 
 
 @with_precision
