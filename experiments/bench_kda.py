@@ -64,6 +64,29 @@ def numpy_inputs(seed, batch, seq_len, heads, dim, bounded):
     return dict(q=q, k=k, v=v, g=g.astype(np.float32), beta=beta.astype(np.float32))
 
 
+def random_inputs(seed, batch, seq_len, heads, dim, bounded):
+    """numpy_inputs' distributions drawn on the device with jax.random (the timed shapes reach 268M elements per
+    array, which numpy draws in tens of seconds), bf16 q, k, v, beta and fp32 g, and a bf16 output cotangent."""
+    import jax
+    import jax.numpy as jnp
+    keys = jax.random.split(jax.random.key(seed), 6)
+    shape = (batch, seq_len, heads, dim)
+
+    @jax.jit
+    def draw():
+        normal = lambda key, s=shape: jax.random.normal(key, s, jnp.float32)  # noqa: E731
+        k = normal(keys[1])
+        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+        raw = normal(keys[3])
+        g = G_MIN * jax.nn.sigmoid(raw) if bounded else -jax.nn.softplus(raw)
+        beta = jax.nn.sigmoid(normal(keys[4], shape[:3]))
+        bf = jnp.bfloat16
+        return ([normal(keys[0]).astype(bf), k.astype(bf), normal(keys[2]).astype(bf), g, beta.astype(bf)],
+                normal(keys[5]).astype(bf))
+
+    return draw()
+
+
 def floor_ms(batch, seq_len, heads, dim):
     """Memory floor of the forward: q, k, v bf16 and g fp32 read once, o bf16 written once."""
     return batch * seq_len * heads * (3 * 2 * dim + 4 * dim + 2 * dim) / BANDWIDTH * 1e3
@@ -174,7 +197,7 @@ def bench_jax(shape, variant, tuning, tuning_name="base"):
         ratio, errs = _VERIFIED[variant, tuning_name, heads, dim] = _verify_jax(backend, bounded, tuning, heads, dim)
     print(f"  verify {variant} T={FLAGS.verify_len}: max err/bar {ratio:.3f} {errs}", flush=True)
     fwd, grads, _ = _jax_fns(backend, bounded, tuning)
-    sets = [_device_inputs(numpy_inputs(s, batch, seq_len, heads, dim, bounded), s) for s in range(3)]
+    sets = [random_inputs(s, batch, seq_len, heads, dim, bounded) for s in range(3)]
     repeats = FLAGS.xla_repeats if backend == "xla" else FLAGS.repeats
     fwd_ms = _median_ms(fwd, [a for a, _ in sets], repeats)
     fwdbwd_ms = _median_ms(grads, [(*a, do) for a, do in sets], repeats)
@@ -226,9 +249,17 @@ def _fla_errors(chunk_kda, kw, ref_all, gate):
 
 
 def _fla_times(chunk_kda, kw, shape, bounded):
+    import torch
     from triton.testing import do_bench
-    x = numpy_inputs(0, *shape, bounded)
-    (q, k, v, g, beta), do = _fla_tensors(x, np.random.default_rng(1000).standard_normal(x["v"].shape, np.float32))
+    torch.manual_seed(0)  # numpy_inputs' distributions, drawn on the GPU
+    bf, f32, norm = torch.bfloat16, torch.float32, lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
+    raw = norm(*shape)
+    g = G_MIN * torch.sigmoid(raw) if bounded else -torch.nn.functional.softplus(raw)
+    leaf = lambda a, dt: a.to(dt).requires_grad_(True)  # noqa: E731
+    q, k = leaf(norm(*shape), bf), leaf(torch.nn.functional.normalize(norm(*shape), dim=-1), bf)
+    v, g, beta = leaf(norm(*shape), bf), leaf(g, f32), leaf(torch.sigmoid(norm(*shape[:3])), bf)
+    do = norm(*shape).to(bf)
+    del raw
 
     def fwdbwd():
         o, _ = chunk_kda(q, k, v, g, beta, **kw)

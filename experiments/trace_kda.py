@@ -87,11 +87,11 @@ def _rows(source, tuning, gate, pass_name, kernels, busy, span, wall):
 
 
 def jax_variants(shape, tuning_text, bounded):
-    from experiments.bench_kda import _device_inputs, _jax_fns
+    from experiments.bench_kda import _jax_fns, random_inputs
     from pallas_kernels.kda.pallas_fwd import Tuning
     tuning = Tuning.from_string(tuning_text)
     fwd, grads, _ = _jax_fns("pallas", bounded, tuning)
-    args, do = _device_inputs(numpy_inputs(0, *shape, bounded), 0)
+    args, do = random_inputs(0, *shape, bounded)
     return [("fwd", fwd, args), ("fwdbwd", grads, (*args, do))]
 
 
