@@ -178,6 +178,71 @@ def pairwise_grads(dscores, xs, y, gam, rows=None, columns=None):
     return dxs, dy
 
 
+LEVELS = (8, 4, 2, 1)  # half-widths of the nested pair groups of a 16-row block (ROWS = 16)
+
+
+def _level_factors(gam, half):
+    """Level `half` of the exact diagonal blocks as one anchored product. Rows pair in groups of 2 half (inside
+    16-row blocks: gam may be a block's or a whole chunk's): the rows of a group's second half (r) with those of its
+    first half (c), through the group's anchor a = its second half's first row: e^(gam_r - gam_a) e^(gam_a - gam_c) =
+    e^(gam_r - gam_c), and both factors are <= 1 for any decay (gam does not increase), so no bound is needed.
+    Returns (row factors: e^(gam_r - gam_a) on second-half rows, 0 elsewhere; column factors: e^(gam_a - gam_c) on
+    first-half rows, 0 elsewhere; the [R, R] mask of same-group pairs).
+
+    The anchor rows are gathered by a one-hot product of bf16 operands (the tensor cores' cheapest; fewer registers
+    than fp32 tiles). The product needs no more: a row and a column of one group read the same gathered value
+    (identical one-hot rows), so it cancels exactly, and its rounding (|gam| 2^-9) only lets a factor exceed 1 by
+    as much."""
+    size = gam.shape[0]
+    rows = _iota((size, 1), 0)
+    second = rows % (2 * half) >= half
+    select = (_iota((size, size), 1) == rows // (2 * half) * (2 * half) + half).astype(jnp.bfloat16)
+    anchor = lax.dot_general(select, gam.astype(jnp.bfloat16), (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+    e = jnp.exp(jnp.where(second, gam - anchor, anchor - gam))
+    same = _iota((size, size), 0) // (2 * half) == _iota((size, size), 1) // (2 * half)
+    return jnp.where(second, e, 0.0), jnp.where(second, 0.0, e), same
+
+
+def _diagonal(a):
+    """[R, R] -> [R, 1]: its diagonal as a column."""
+    eye = _iota(a.shape, 0) == _iota(a.shape, 1)
+    return jnp.sum(jnp.where(eye, a, 0.0), axis=1)[:, None]
+
+
+def pairwise_levels(xs, y, gam):
+    """pairwise_columns by nested pair groups (_level_factors): every pair a > c of a 16-row block belongs to one
+    level (the highest bit in which a and c differ), so four masked [R, K] x [K, R] products per x, plus the diagonal
+    a = c (decay 1). Matmuls instead of a column loop, and half the exponentials: four [R, K] tiles. Given a whole
+    chunk's rows ([C, K], gam its cumulative sum), the same returns [C, C] with every 16-row diagonal block filled."""
+    size = gam.shape[0]
+    eye = _iota((size, size), 0) == _iota((size, size), 1)
+    out = [jnp.where(eye, jnp.sum(x * y, axis=1)[:, None], 0.0) for x in xs]
+    with score_products():
+        for half in LEVELS:
+            row_f, col_f, same = _level_factors(gam, half)
+            yc = y * col_f
+            out = [o + jnp.where(same, mm_nt(x * row_f, yc), 0.0) for o, x in zip(out, xs)]
+    return tuple(out)
+
+
+def pairwise_levels_grads(dscores, xs, y, gam):
+    """Backward of pairwise_levels (as pairwise_grads): for each (dA, x), dx [R, K]; and dy [R, K] summed over the
+    pairs. dA's diagonal entries count (decay 1)."""
+    dxs = [_diagonal(da) * y for da in dscores]
+    dy = sum(_diagonal(da) * x for da, x in zip(dscores, xs))
+    with score_products():
+        for half in LEVELS:
+            row_f, col_f, same = _level_factors(gam, half)
+            yc = y * col_f
+            dy_level = 0.0
+            for i, (da, x) in enumerate(zip(dscores, xs)):
+                da = jnp.where(same, da, 0.0)
+                dxs[i] = dxs[i] + mm(da, yc) * row_f
+                dy_level = dy_level + mm_tn(da, x * row_f)
+            dy = dy + dy_level * col_f
+    return tuple(dxs), dy
+
+
 def _pair_decays(gam):
     """[R, R, K] e^(gam[a] - gam[c]) for a >= c, 0 above (the exponent masked before the exp)."""
     size = gam.shape[0]

@@ -133,7 +133,7 @@ def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_re
 
 @with_precision
 def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_ref, dakk_ref, dkb_ref,
-                                 dqp_ref, dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense, by_block=False):
+                                 dqp_ref, dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense, pairwise="columns"):
     """backward_inputs one 16-row block at a time, last block first, writing each block's rows of dq, dk, dg.
 
     Row side of block b (its queries and keys against earlier columns): [R, C] score-gradient rows times the [C, Kt]
@@ -141,7 +141,9 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
     columns, transposed, times [C, Kt] queries and keys anchored at the block's last row (every factor <= 1 off the
     diagonal block; on it, under the bound, <= e^(15 |g_min|)). Every product is [R, C] x [C, Kt], a quarter of
     the masked [C, C] x [C, Kt] ones of the whole-tile kernel, and only [R, Kt] results are live. The suffix sums of
-    dg cross blocks through a [1, Kt] carry. Unbounded: the diagonal blocks pair by pair, as in the whole-tile kernel.
+    dg cross blocks through a [1, Kt] carry. Unbounded: the diagonal blocks pair by pair (Tuning.pairwise: "columns"
+    or "wide" column by column, as in the whole-tile kernel; "block" as [R, R, Kt] tensors; "levels" by nested pair
+    groups, pallas_blocks.pairwise_levels_grads).
     """
     size, key_tile = q_ref.shape
     x = ref_chunk(q_ref, k_ref, None, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
@@ -193,7 +195,9 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
             eye = lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0) == lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 1)
             daqk_bb = jnp.where(eye, 0.0, load(daqk_ref, rows, rows))
             dscores = (daqk_bb, load(dakk_ref, rows, rows))
-            if by_block:
+            if pairwise == "levels":
+                (dq_p, dk_p), dy_p = blk.pairwise_levels_grads(dscores, (q_b, k_b), k_b, cumsum_rows(g_b))
+            elif pairwise == "block":
                 with score_products():
                     (dq_p, dk_p), dy_p = blk.pairwise_block_grads(dscores, (q_b, k_b), k_b, cumsum_rows(g_b))
             else:
@@ -333,8 +337,9 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
     doc_spec = pl.BlockSpec((None, chunk), lambda n, h, j: (n, 0))
     dd_spec = pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))
     kernel = _input_grad_kernel
-    if input_bwd_rows(tuning, dense, q.dtype):  # by_block: unbounded diagonal blocks as [R, R, Kt]
-        kernel = functools.partial(_row_block_input_grad_kernel, by_block=pairwise_width(tuning, key_dim) > 0)
+    if input_bwd_rows(tuning, dense, q.dtype):
+        pairwise_width(tuning, key_dim)  # checks Tuning.pairwise (and the block form's width)
+        kernel = functools.partial(_row_block_input_grad_kernel, pairwise=tuning.pairwise)
     dq, dk, dg = pl.pallas_call(
         functools.partial(kernel, scale=scale, dense=dense,
                           precision=intra_precision(tuning, precision, q.dtype, backward=True)),

@@ -332,6 +332,67 @@ def test_wide_pairwise_diagonal_matches_reference(monkeypatch, split):
         _compare(x, None, 64, ids, tol=1e-5)
 
 
+@pytest.mark.parametrize("steepness", [0.5, 60.0])
+def test_level_form_pairwise_diagonal_equals_the_column_form(steepness):
+    # pairwise_levels / pairwise_levels_grads against the column loop on one 16-row block, both a mild decay and one
+    # of -60 per step (the unbounded gate's worst case: e^(gam_a - gam_c) across a block is e^900, so every factor
+    # must stay <= 1): the same values, all finite. Also over a whole 64-row chunk, where the levels fill every
+    # diagonal block at once and leave the off-diagonal ones zero.
+    from pallas_kernels.kda import pallas_blocks as blk
+    rng = np.random.default_rng(3)
+    q, k = (jnp.asarray(rng.standard_normal((64, 32)), jnp.float32) for _ in range(2))
+    gam = jnp.cumsum(-steepness * jnp.asarray(rng.random((64, 32)), jnp.float32), axis=0)
+    das = tuple(jnp.tril(jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)) for _ in range(2))
+    for b in range(4):
+        rows = slice(16 * b, 16 * (b + 1))
+        local = gam[rows] - gam[16 * b]  # pairs only see differences inside the block
+        columns = blk.pairwise_columns((q[rows], k[rows]), k[rows], local)
+        levels = blk.pairwise_levels((q[rows], k[rows]), k[rows], local)
+        for a, c in zip(columns, levels):
+            assert np.isfinite(np.asarray(c)).all()
+            np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-5)
+        (dq_c, dk_c), dy_c = blk.pairwise_grads(das, (q[rows], k[rows]), k[rows], local)
+        (dq_l, dk_l), dy_l = blk.pairwise_levels_grads(das, (q[rows], k[rows]), k[rows], local)
+        for a, c in ((dq_c, dq_l), (dk_c, dk_l), (dy_c, dy_l)):
+            assert np.isfinite(np.asarray(c)).all()
+            np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-5)
+        whole = blk.pairwise_levels((q, k), k, gam)
+        np.testing.assert_allclose(np.asarray(whole[0][rows, rows]), np.asarray(columns[0]), rtol=1e-5, atol=1e-5)
+    off_block = np.arange(64)[:, None] // 16 != np.arange(64)[None, :] // 16
+    assert not np.asarray(whole[0])[off_block].any() and not np.asarray(whole[1])[off_block].any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_level_form_pairwise_is_the_default_and_matches_reference(monkeypatch, dtype):
+    # Tuning() takes pairwise="levels" for the unbounded gate: the split scores kernel (a second pass over the key
+    # tiles) and the row-block input backward call it; 64-token chunks, GVA, documents inside blocks, an initial
+    # state, a padded length. fp32: the reference's bars and the column form's results; bf16: the bf16 bars.
+    from pallas_kernels.kda import pallas_blocks as blk
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    assert Tuning().pairwise == "levels"
+    traced = []
+    for name in ("pairwise_levels", "pairwise_levels_grads"):
+        monkeypatch.setattr(blk, name, functools.partial(
+            lambda fn, name, *a: traced.append(name) or fn(*a), getattr(blk, name), name))
+    tuning = Tuning(intra_tile=8, key_tile=8, input_bwd="rows")
+    _interpret_with(monkeypatch, tuning)
+    x = random_inputs(17, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
+                      gate="softplus", g_min=None, dtype=dtype)
+    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
+    if dtype == jnp.bfloat16:
+        _compare(x, None, 64, ids, tol=dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2,
+                                            dbeta=2e-2))
+        assert set(traced) == {"pairwise_levels", "pairwise_levels_grads"}
+        return
+    _compare(x, None, 64, ids, tol=1e-5)
+    assert set(traced) == {"pairwise_levels", "pairwise_levels_grads"}
+    got = _run("interpret", x, None, 64, ids)
+    _interpret_with(monkeypatch, dataclasses.replace(tuning, pairwise="columns"))
+    columns = _run("interpret", x, None, 64, ids)
+    for name in NAMES:
+        assert relative_rms_error(np.asarray(columns[name]), np.asarray(got[name])) < 1e-5, name
+
+
 def test_channel_and_pairwise_tunings_are_checked():
     from pallas_kernels.kda.pallas_fwd import Tuning, output_tile, pairwise_width
     assert pairwise_width(Tuning(), 128) == 0 and pairwise_width(Tuning(pairwise="wide"), 128) == 0
