@@ -212,8 +212,9 @@ def _diagonal(a):
 def pairwise_levels(xs, y, gam):
     """pairwise_columns by nested pair groups (_level_factors): every pair a > c of a 16-row block belongs to one
     level (the highest bit in which a and c differ), so four masked [R, K] x [K, R] products per x, plus the diagonal
-    a = c (decay 1). Matmuls instead of a column loop, and half the exponentials: four [R, K] tiles. Given a whole
-    chunk's rows ([C, K], gam its cumulative sum), the same returns [C, C] with every 16-row diagonal block filled."""
+    a = c (decay 1). Matmuls instead of a column loop, and a quarter of its exponentials (four [R, K] tiles, not
+    sixteen). Given a whole chunk's rows ([C, K], gam its cumulative sum), the same returns [C, C] with every 16-row
+    diagonal block filled."""
     size = gam.shape[0]
     eye = _iota((size, size), 0) == _iota((size, size), 1)
     out = [jnp.where(eye, jnp.sum(x * y, axis=1)[:, None], 0.0) for x in xs]

@@ -278,28 +278,38 @@ def test_input_backward_form_follows_the_gate_and_operands():
         input_bwd_rows(Tuning(input_bwd="row"), dense=True)
 
 
-def test_block_form_pairwise_diagonal_matches_reference(monkeypatch):
-    # Tuning(pairwise="block"): the unbounded gate's diagonal blocks as [R, R, W] pair tensors (forward: 8-channel
-    # slices; row-block input backward: the whole 8-channel key tile), 64-token chunks, GVA, documents inside
-    # blocks, an initial state, a padded length, fp32; and against the column-loop form.
+def _check_pairwise_form(monkeypatch, tuning, names, seed, dtype=jnp.float32, agree=1e-6):
+    """The unbounded gate under `tuning` in interpret mode: the pallas_blocks functions `names` are called, and the
+    kernels meet the reference's bars (fp32: 1e-5; bf16: the bf16 bars) with 64-token chunks, GVA, documents inside
+    blocks, an initial state and a padded length; in fp32 they also agree with the column form within `agree`."""
     from pallas_kernels.kda import pallas_blocks as blk
-    from pallas_kernels.kda.pallas_fwd import Tuning
     traced = []
-    for name in ("pairwise_block", "pairwise_block_grads"):
+    for name in names:
         monkeypatch.setattr(blk, name, functools.partial(
             lambda fn, name, *a: traced.append(name) or fn(*a), getattr(blk, name), name))
-    block = Tuning(pairwise="block", pairwise_width=8, key_tile=8, intra_tile=8, input_bwd="rows")
-    _interpret_with(monkeypatch, block)
-    x = random_inputs(11, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
-                      gate="softplus", g_min=None)
+    _interpret_with(monkeypatch, tuning)
+    x = random_inputs(seed, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
+                      gate="softplus", g_min=None, dtype=dtype)
     ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
-    _compare(x, None, 64, ids, tol=1e-5)
-    assert set(traced) == {"pairwise_block", "pairwise_block_grads"}
+    bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
+    _compare(x, None, 64, ids, tol=1e-5 if dtype == jnp.float32 else bf16_bars)
+    assert set(traced) == set(names)
+    if dtype != jnp.float32:
+        return
     got = _run("interpret", x, None, 64, ids)
-    _interpret_with(monkeypatch, dataclasses.replace(block, pairwise="columns"))
+    _interpret_with(monkeypatch, dataclasses.replace(tuning, pairwise="columns"))
     columns = _run("interpret", x, None, 64, ids)
     for name in NAMES:
-        assert relative_rms_error(np.asarray(columns[name]), np.asarray(got[name])) < 1e-6, name
+        assert relative_rms_error(np.asarray(columns[name]), np.asarray(got[name])) < agree, name
+
+
+def test_block_form_pairwise_diagonal_matches_reference(monkeypatch):
+    # Tuning(pairwise="block"): the unbounded gate's diagonal blocks as [R, R, W] pair tensors (forward: 8-channel
+    # slices; row-block input backward: the whole 8-channel key tile), fp32, against the reference and the
+    # column-loop form.
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    block = Tuning(pairwise="block", pairwise_width=8, key_tile=8, intra_tile=8, input_bwd="rows")
+    _check_pairwise_form(monkeypatch, block, ("pairwise_block", "pairwise_block_grads"), seed=11)
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -365,32 +375,12 @@ def test_level_form_pairwise_diagonal_equals_the_column_form(steepness):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_level_form_pairwise_is_the_default_and_matches_reference(monkeypatch, dtype):
     # Tuning() takes pairwise="levels" for the unbounded gate: the split scores kernel (a second pass over the key
-    # tiles) and the row-block input backward call it; 64-token chunks, GVA, documents inside blocks, an initial
-    # state, a padded length. fp32: the reference's bars and the column form's results; bf16: the bf16 bars.
-    from pallas_kernels.kda import pallas_blocks as blk
+    # tiles) and the row-block input backward call it. fp32: the reference's bars and the column form's results;
+    # bf16: the bf16 bars.
     from pallas_kernels.kda.pallas_fwd import Tuning
     assert Tuning().pairwise == "levels"
-    traced = []
-    for name in ("pairwise_levels", "pairwise_levels_grads"):
-        monkeypatch.setattr(blk, name, functools.partial(
-            lambda fn, name, *a: traced.append(name) or fn(*a), getattr(blk, name), name))
-    tuning = Tuning(intra_tile=8, key_tile=8, input_bwd="rows")
-    _interpret_with(monkeypatch, tuning)
-    x = random_inputs(17, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
-                      gate="softplus", g_min=None, dtype=dtype)
-    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
-    if dtype == jnp.bfloat16:
-        _compare(x, None, 64, ids, tol=dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2,
-                                            dbeta=2e-2))
-        assert set(traced) == {"pairwise_levels", "pairwise_levels_grads"}
-        return
-    _compare(x, None, 64, ids, tol=1e-5)
-    assert set(traced) == {"pairwise_levels", "pairwise_levels_grads"}
-    got = _run("interpret", x, None, 64, ids)
-    _interpret_with(monkeypatch, dataclasses.replace(tuning, pairwise="columns"))
-    columns = _run("interpret", x, None, 64, ids)
-    for name in NAMES:
-        assert relative_rms_error(np.asarray(columns[name]), np.asarray(got[name])) < 1e-5, name
+    _check_pairwise_form(monkeypatch, Tuning(intra_tile=8, key_tile=8, input_bwd="rows"),
+                         ("pairwise_levels", "pairwise_levels_grads"), seed=17, dtype=dtype, agree=1e-5)
 
 
 def test_channel_and_pairwise_tunings_are_checked():
