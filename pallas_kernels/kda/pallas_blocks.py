@@ -244,29 +244,6 @@ def pairwise_levels_grads(dscores, xs, y, gam):
     return tuple(dxs), dy
 
 
-def _pair_decays(gam):
-    """[R, R, K] e^(gam[a] - gam[c]) for a >= c, 0 above (the exponent masked before the exp)."""
-    size = gam.shape[0]
-    below = _iota((size, size, 1), 0) >= _iota((size, size, 1), 1)
-    return jnp.exp(jnp.where(below, gam[:, None, :] - gam[None, :, :], -jnp.inf))
-
-
-def pairwise_block(xs, y, gam):
-    """pairwise_columns with every (row, column) pair at once: [R, R, K] decays and products, summed over K. No
-    loop; for narrow K (a slice of the channels), since every temporary is [R, R, K]."""
-    y_e = y[None, :, :] * _pair_decays(gam)
-    return tuple(jnp.sum(x[:, None, :] * y_e, axis=2) for x in xs)
-
-
-def pairwise_block_grads(dscores, xs, y, gam):
-    """Backward of pairwise_block (as pairwise_grads): for each (dA, x), dx [R, K]; and dy [R, K]."""
-    decays = _pair_decays(gam)
-    y_e = y[None, :, :] * decays
-    dxs = tuple(jnp.sum(da[:, :, None] * y_e, axis=1) for da in dscores)
-    dy = sum(jnp.sum(da[:, :, None] * x[:, None, :] * decays, axis=0) for da, x in zip(dscores, xs))
-    return dxs, dy
-
-
 def nilpotent_inverse(n, order):
     """(I - N)^-1 = (I + N)(I + N^2)(I + N^4)... for n: [C, C] with N^order = 0 (order a power of two)."""
     size = n.shape[0]

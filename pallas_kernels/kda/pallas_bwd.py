@@ -12,8 +12,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, pairwise_grads, score_products
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
-from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, input_bwd_rows, input_specs, intra_precision,
-                                           operand_cast, pairwise_width, ref_chunk, saved_state_dtype, scan_load,
+from pallas_kernels.kda.pallas_fwd import (check_pairwise, chunk_tile, compiler_params, input_bwd_rows, input_specs,
+                                           intra_precision, operand_cast, ref_chunk, saved_state_dtype, scan_load,
                                            scan_params, score_dtype, sequence_specs, with_precision)
 
 _F32 = jnp.float32
@@ -141,9 +141,9 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
     columns, transposed, times [C, Kt] queries and keys anchored at the block's last row (every factor <= 1 off the
     diagonal block; on it, under the bound, <= e^(15 |g_min|)). Every product is [R, C] x [C, Kt], a quarter of
     the masked [C, C] x [C, Kt] ones of the whole-tile kernel, and only [R, Kt] results are live. The suffix sums of
-    dg cross blocks through a [1, Kt] carry. Unbounded: the diagonal blocks pair by pair (Tuning.pairwise: "columns"
-    or "wide" column by column, as in the whole-tile kernel; "block" as [R, R, Kt] tensors; "levels" by nested pair
-    groups, pallas_blocks.pairwise_levels_grads).
+    dg cross blocks through a [1, Kt] carry. Unbounded: the diagonal blocks pair by pair (Tuning.pairwise: "levels"
+    by nested pair groups, pallas_blocks.pairwise_levels_grads; "columns" column by column, as in the whole-tile
+    kernel).
     """
     size, key_tile = q_ref.shape
     x = ref_chunk(q_ref, k_ref, None, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
@@ -197,9 +197,6 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
             dscores = (daqk_bb, load(dakk_ref, rows, rows))
             if pairwise == "levels":
                 (dq_p, dk_p), dy_p = blk.pairwise_levels_grads(dscores, (q_b, k_b), k_b, cumsum_rows(g_b))
-            elif pairwise == "block":
-                with score_products():
-                    (dq_p, dk_p), dy_p = blk.pairwise_block_grads(dscores, (q_b, k_b), k_b, cumsum_rows(g_b))
             else:
                 eye_col = lax.broadcasted_iota(jnp.int32, (ROWS, 1), 0)
                 row_loads = lambda c: (k_ref[pl.ds(start + c, 1), :], g_ref[pl.ds(start + c, 1), :])  # noqa: E731
@@ -338,8 +335,7 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
     dd_spec = pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))
     kernel = _input_grad_kernel
     if input_bwd_rows(tuning, dense, q.dtype):
-        pairwise_width(tuning, key_dim)  # checks Tuning.pairwise (and the block form's width)
-        kernel = functools.partial(_row_block_input_grad_kernel, pairwise=tuning.pairwise)
+        kernel = functools.partial(_row_block_input_grad_kernel, pairwise=check_pairwise(tuning))
     dq, dk, dg = pl.pallas_call(
         functools.partial(kernel, scale=scale, dense=dense,
                           precision=intra_precision(tuning, precision, q.dtype, backward=True)),

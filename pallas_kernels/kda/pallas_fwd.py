@@ -78,16 +78,13 @@ class Tuning:
     # unsplit, one kernel per chunk writes w, kd, u and Aqk (the inverse stays in the program; slower on the H200).
     # 16-bit inputs only (pallas_op.lean_forward: with fp32 ones the output kernel needs too much shared memory).
     output_from_scores: bool = True
-    # Exact diagonal blocks of the unbounded gate: "levels" (nested pair groups: four masked [C, Kt] x [Kt, C]
-    # products per key tile, each through an anchor that keeps both decay factors <= 1, pallas_blocks.pairwise_levels;
-    # H100, T = 32768: scores 6.17 -> 3.58 ms, input backward 7.2 ms, notes v9), "columns" (a loop over the block's 16
-    # columns, [R, Kt] work per step), "wide" (the forward's column loop once over the whole key width after the
-    # key-tile loop; the backward as "columns") or "block" (all pairs at once as [R, R, W] tensors, W =
-    # pairwise_width channels per step in the forward, the whole key tile in the row-block input backward: use
-    # key_tile <= 16 there). The row-block input backward follows the same choice; the whole-tile kernels (fp32
-    # inputs, intra_tile = 0, Mosaic TPU) go by columns.
+    # Exact diagonal blocks of the unbounded gate in the split forward's score kernel and the row-block input
+    # backward: "levels" (nested pair groups: four masked [C, Kt] x [Kt, C] products per key tile, each through an
+    # anchor that keeps both decay factors <= 1, pallas_blocks.pairwise_levels) or "columns" (a loop over each
+    # block's 16 columns, [R, Kt] work per step). H100, T = 32768: score kernel 6.17 -> 3.58 ms, forward+backward
+    # 18.3 -> 15.2 ms (notes v9; the v7-v8 "wide" and "block" forms, 4.30 ms and slower backwards, were removed).
+    # The whole-tile kernels (fp32 inputs, intra_tile = 0, Mosaic TPU) go by columns.
     pairwise: str = "levels"
-    pairwise_width: int = 8
     # Warps of the forward's per-chunk score kernel for the unbounded gate (intra_warps: the bounded one's). "levels"
     # compiles without spills at 8 (4: 768 B) and runs 6% faster there (H100).
     pairwise_warps: int = 8
@@ -115,19 +112,14 @@ class Tuning:
         return dataclasses.replace(tuning, **changes)
 
 
-PAIRWISE = ("columns", "wide", "block", "levels")
+PAIRWISE = ("levels", "columns")
 
 
-def pairwise_width(tuning, key_dim):
-    """Channels per step of the block-form pairwise diagonal (Tuning.pairwise); 0: by columns (or wide)."""
+def check_pairwise(tuning):
+    """Tuning.pairwise, checked."""
     if tuning.pairwise not in PAIRWISE:
         raise ValueError(f"Tuning.pairwise must be one of {PAIRWISE}, got {tuning.pairwise!r}")
-    if tuning.pairwise != "block":
-        return 0
-    if tuning.pairwise_width < 1 or key_dim % tuning.pairwise_width:
-        raise ValueError(f"Tuning.pairwise_width must divide the key dimension {key_dim}, got "
-                         f"{tuning.pairwise_width}")
-    return tuning.pairwise_width
+    return tuning.pairwise
 
 
 INPUT_BWD = ("auto", "rows", "tiles")
@@ -244,71 +236,41 @@ def _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, cols, *, scale
                    blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b), block(g_ref, b)))
 
 
-def _block_diagonal(q_ref, k_ref, g_ref, num_blocks, *, scale, width):
-    """The exact diagonal blocks [(Aqk_bb, Akk_bb)] as pairwise_block sums over `width`-channel slices read from the
-    refs."""
-    key_dim = q_ref.shape[1]
-    out = []
-    for b in range(num_blocks):
-        def add_slice(s, acc, b=b):
-            at = (pl.ds(b * ROWS, ROWS), pl.ds(s * width, width))
-            q_s, k_s, g_s = (ref[at].astype(_F32) for ref in (q_ref, k_ref, g_ref))
-            with blk.score_products():
-                aqk, akk = blk.pairwise_block((q_s * scale, k_s), k_s, blk.cumsum_rows(g_s))
-            return acc[0] + aqk, acc[1] + akk
-
-        zeros = jnp.zeros((ROWS, ROWS), _F32)
-        out.append(lax.fori_loop(0, key_dim // width, add_slice, (zeros, zeros)))
-    return out
-
-
-def _wide_diagonal(q_ref, k_ref, g_ref, num_blocks, *, scale):
-    """The exact diagonal blocks [(Aqk_bb, Akk_bb)] column by column over the whole key width, from the refs."""
-    blocks = lambda b: tuple(ref[pl.ds(b * ROWS, ROWS), :].astype(_F32) * f  # noqa: E731
-                             for ref, f in ((q_ref, scale), (k_ref, 1.0), (g_ref, 1.0)))
-    rows = lambda b, c: (k_ref[pl.ds(b * ROWS + c, 1), :], g_ref[pl.ds(b * ROWS + c, 1), :])  # noqa: E731
-    return pairwise_diagonal(blocks, num_blocks, rows=rows)
-
-
-def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, pairwise=("columns", 0)):
+def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, pairwise="columns"):
     """Aqk, Akk (masked) and T = (I + diag(beta) Akk)^-1 [C, C] of a chunk, summing the scores over key tiles.
-    pairwise (mode, width) for the unbounded diagonal blocks: "columns", column by column inside the key-tile loop;
-    "levels", by nested pair groups as [C, C] products in a second pass over the key tiles
-    (pallas_blocks.pairwise_levels); "wide", column by column over the whole width after it (_wide_diagonal);
-    "block", by `width`-channel slices after it (_block_diagonal)."""
+    pairwise (Tuning.pairwise) for the unbounded diagonal blocks: "columns", column by column inside the key-tile
+    loop, as [R, R] blocks placed after it; "levels", as [C, C] products in a second pass over the key tiles
+    (pallas_blocks.pairwise_levels), so that nothing else is live beside them."""
     size, key_dim = q_ref.shape
     num_blocks = size // ROWS
-    mode, width = pairwise
-    after = not dense and mode != "columns"
+    columns = not dense and pairwise == "columns"
+    tile_input = lambda j: _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref,  # noqa: E731
+                                       pl.ds(j * tile, tile), scale=scale)
 
     def add_scores(j, acc):
-        x = _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, pl.ds(j * tile, tile), scale=scale)
+        x = tile_input(j)
         aqk, akk = partial_scores(x, chunk_gates(x).dec, dense=dense, with_diagonal=False)
-        if dense or after:
+        if not columns:
             return acc[0] + aqk, acc[1] + akk
-        # Pairwise: the diagonal blocks are summed over key tiles as [R, R] blocks and placed once, after the loop.
+        # The diagonal blocks are summed over key tiles as [R, R] blocks and placed once, after the loop.
         cols = pl.ds(j * tile, tile)
         rows = lambda b, c: (k_ref[pl.ds(b * ROWS + c, 1), cols], g_ref[pl.ds(b * ROWS + c, 1), cols])  # noqa: E731
         diagonal = pairwise_diagonal(x.blocks, num_blocks, rows=rows)
         return (acc[0] + aqk, acc[1] + akk, *(a + d for a, d in zip(acc[2:], sum(map(tuple, diagonal), ()))))
 
-    zeros = jnp.zeros((size, size), _F32)
-    blocks = () if dense or after else (jnp.zeros((ROWS, ROWS), _F32),) * (2 * num_blocks)
-    aqk, akk, *diagonal = lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros, *blocks))
-    if mode == "levels" and not dense:  # a second pass over the key tiles: [C, C] products, nothing else live
-        def add_levels(j, acc):
-            x = _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, pl.ds(j * tile, tile), scale=scale)
-            diag_qk, diag_kk = blk.pairwise_levels((x.q, x.k), x.k, blk.cumsum_rows(x.g))
-            return acc[0] + diag_qk, acc[1] + diag_kk
+    def add_levels(j, acc):
+        x = tile_input(j)
+        diag_qk, diag_kk = blk.pairwise_levels((x.q, x.k), x.k, blk.cumsum_rows(x.g))
+        return acc[0] + diag_qk, acc[1] + diag_kk
 
-        aqk, akk = lax.fori_loop(0, key_dim // tile, add_levels, (aqk, akk))
-    elif after:
-        diagonal = (_wide_diagonal(q_ref, k_ref, g_ref, num_blocks, scale=scale) if mode == "wide" else
-                    _block_diagonal(q_ref, k_ref, g_ref, num_blocks, scale=scale, width=width))
-        diagonal = sum(map(tuple, diagonal), ())
-    if not dense and mode != "levels":
+    zeros = jnp.zeros((size, size), _F32)
+    blocks = (jnp.zeros((ROWS, ROWS), _F32),) * (2 * num_blocks) if columns else ()
+    aqk, akk, *diagonal = lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros, *blocks))
+    if columns:
         diag_qk, diag_kk = place_diagonal(list(zip(diagonal[0::2], diagonal[1::2])), size)
         aqk, akk = aqk + diag_qk, akk + diag_kk
+    elif not dense:
+        aqk, akk = lax.fori_loop(0, key_dim // tile, add_levels, (aqk, akk))
     aqk, akk = mask_scores(doc_ref[...], aqk, akk)
     return aqk, akk, unit_lower_inverse(beta_ref[...].astype(_F32)[:, None] * akk)
 
@@ -440,7 +402,7 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     lean = lean and key_dim == value_dim
     scores = pl.pallas_call(
         functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
-                          pairwise=(tuning.pairwise, pairwise_width(tuning, key_dim))),
+                          pairwise=check_pairwise(tuning)),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]],
         out_specs=[chunk_tile(chunk, chunk)] * (2 if lean else 3),
@@ -546,7 +508,7 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
     if tiled and lean:
         w, kd, u, d, aqk = pl.pallas_call(
             functools.partial(_tiled_lean_kernel, scale=scale, dense=dense, precision=precision, tile=tile,
-                              pairwise=(tuning.pairwise, pairwise_width(tuning, key_dim))),
+                              pairwise=check_pairwise(tuning)),
             grid=(chunks, value_heads),
             in_specs=input_specs(chunk, key_dim, value_dim, value_heads // heads),
             out_specs=[chunk_tile(chunk, key_dim)] * 2 + [chunk_tile(chunk, value_dim), chunk_vector(key_dim),
