@@ -10,11 +10,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import pallas_blocks as blk
-from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, pairwise_grads, score_products
+from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, score_products
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
-from pallas_kernels.kda.pallas_fwd import (check_pairwise, chunk_tile, compiler_params, input_bwd_rows, input_specs,
-                                           intra_precision, operand_cast, ref_chunk, saved_state_dtype, scan_load,
-                                           scan_params, score_dtype, sequence_specs, with_precision)
+from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, input_bwd_rows, input_specs, intra_precision,
+                                           operand_cast, ref_chunk, saved_state_dtype, scan_load, scan_params,
+                                           score_dtype, sequence_specs, with_precision)
 
 _F32 = jnp.float32
 
@@ -123,17 +123,15 @@ def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_re
                        dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense):
     x = ref_chunk(q_ref, k_ref, None, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
     gates = chunk_gates(x)  # the decay factors only: the scores come in as gradients, no inverse is needed
-    at = lambda b: (pl.ds(b * ROWS, ROWS), pl.ds(b * ROWS, ROWS))  # noqa: E731
-    load = lambda ref, *at: ref[at or ...].astype(_F32)  # noqa: E731
+    load = lambda ref: ref[...].astype(_F32)  # noqa: E731
     dq, dk, dg = backward_inputs(x, gates, load(daqk_ref), load(dakk_ref), dkb_ref[...], dqp_ref[...], dkd_ref[...],
-                                 dd_ref[...][None, :], lambda b: (load(daqk_ref, *at(b)), load(dakk_ref, *at(b))),
-                                 dense=dense)
+                                 dd_ref[...][None, :], dense=dense)
     dq_ref[...], dk_ref[...], dg_ref[...] = (dq * scale).astype(dq_ref.dtype), dk.astype(dk_ref.dtype), dg
 
 
 @with_precision
 def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_ref, dakk_ref, dkb_ref,
-                                 dqp_ref, dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense, pairwise="columns"):
+                                 dqp_ref, dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense):
     """backward_inputs one 16-row block at a time, last block first, writing each block's rows of dq, dk, dg.
 
     Row side of block b (its queries and keys against earlier columns): [R, C] score-gradient rows times the [C, Kt]
@@ -141,9 +139,8 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
     columns, transposed, times [C, Kt] queries and keys anchored at the block's last row (every factor <= 1 off the
     diagonal block; on it, under the bound, <= e^(15 |g_min|)). Every product is [R, C] x [C, Kt], a quarter of
     the masked [C, C] x [C, Kt] ones of the whole-tile kernel, and only [R, Kt] results are live. The suffix sums of
-    dg cross blocks through a [1, Kt] carry. Unbounded: the diagonal blocks pair by pair (Tuning.pairwise: "levels"
-    by nested pair groups, pallas_blocks.pairwise_levels_grads; "columns" column by column, as in the whole-tile
-    kernel).
+    dg cross blocks through a [1, Kt] carry. Unbounded: the diagonal block by nested pair groups
+    (pallas_blocks.pairwise_levels_grads), as in the whole-tile kernel.
     """
     size, key_tile = q_ref.shape
     x = ref_chunk(q_ref, k_ref, None, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
@@ -195,16 +192,7 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
             eye = lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0) == lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 1)
             daqk_bb = jnp.where(eye, 0.0, load(daqk_ref, rows, rows))
             dscores = (daqk_bb, load(dakk_ref, rows, rows))
-            if pairwise == "levels":
-                (dq_p, dk_p), dy_p = blk.pairwise_levels_grads(dscores, (q_b, k_b), k_b, cumsum_rows(g_b))
-            else:
-                eye_col = lax.broadcasted_iota(jnp.int32, (ROWS, 1), 0)
-                row_loads = lambda c: (k_ref[pl.ds(start + c, 1), :], g_ref[pl.ds(start + c, 1), :])  # noqa: E731
-                col_loads = lambda c: (  # noqa: E731
-                    jnp.where(eye_col == c, 0.0, load(daqk_ref, rows, pl.ds(start + c, 1))),
-                    load(dakk_ref, rows, pl.ds(start + c, 1)))
-                (dq_p, dk_p), dy_p = pairwise_grads(dscores, (q_b, k_b), k_b, cumsum_rows(g_b), rows=row_loads,
-                                                    columns=col_loads)
+            (dq_p, dk_p), dy_p = blk.pairwise_levels_grads(dscores, (q_b, k_b), k_b, cumsum_rows(g_b))
             dxq, dxk, dyk = dxq + dq_p, dxk + dk_p, dyk + dy_p
         doc_b = doc_ref[rows]
         beta_b = beta_ref[rows].astype(_F32)[:, None]
@@ -335,7 +323,7 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
     dd_spec = pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))
     kernel = _input_grad_kernel
     if input_bwd_rows(tuning, dense, q.dtype):
-        kernel = functools.partial(_row_block_input_grad_kernel, pairwise=check_pairwise(tuning))
+        kernel = _row_block_input_grad_kernel
     dq, dk, dg = pl.pallas_call(
         functools.partial(kernel, scale=scale, dense=dense,
                           precision=intra_precision(tuning, precision, q.dtype, backward=True)),

@@ -6,19 +6,18 @@ the kernels stay a few dozen dots long instead of hundreds of 16x16 ones. The 16
 masks: row block i of a decayed score matrix is (Q e^(gam - a_i)) (K e^(a_i - gam))^T with a_i the cumulative decay
 of the block's FIRST row, the column factor masked to the columns the block may see (its exponent set to -inf before
 the exp, never after), the product kept on block i's rows only. Under the bound the diagonal block is part of that
-one product (dense); without it, the columns stop before the block and the diagonal is summed pair by pair on 16-row
-blocks read from the refs (exact), then placed into the tile with exact (fp32 FMA) one-hot matmuls.
+one product (dense); without it, the columns stop before the block and the diagonal blocks come from four more
+masked whole-chunk products, by nested pair groups whose decay factors are all <= 1 (pallas_blocks.pairwise_levels).
 """
 
-import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.kda.pallas_blocks import (ROWS, cumsum_rows, mm, mm_nt, mm_tn, nilpotent_inverse,
-                                              pairwise_columns, pairwise_grads, row, score_products)
+from pallas_kernels.kda.pallas_blocks import (ROWS, cumsum_rows, mm, mm_nt, mm_tn, nilpotent_inverse, pairwise_levels,
+                                              pairwise_levels_grads, row, score_products)
 
 _F32 = jnp.float32
 
@@ -34,9 +33,6 @@ class ChunkIn(NamedTuple):
     doc: jax.Array  # [C] (or [C, 1]) int32 document index
     doc_in: jax.Array  # scalar (or [1, 1]): document of the incoming state
     doc_last: jax.Array  # scalar (or [1, 1]): document of the chunk's last token
-    # b -> (q_b, k_b, g_b) [R, K]: 16-row blocks for the pairwise diagonal. Only decay differences inside a block
-    # enter it, so the block's own cumulative sum of g_b stands in for the chunk's.
-    blocks: Callable
     # [1, C]: doc as a row, where the kernel has it in that layout (Mosaic TPU: no [C] vectors); None: from doc.
     doc_row: jax.Array = None
 
@@ -57,27 +53,6 @@ class ChunkIn(NamedTuple):
 
 def _iota(shape, axis):
     return lax.broadcasted_iota(jnp.int32, shape, axis)
-
-
-def _exact(a, b, dims):
-    """fp32 FMA matmul (no TF32 rounding): moves blocks in and out of tiles through one-hot matrices."""
-    return lax.dot_general(a, b, (dims, ((), ())), precision=lax.Precision.HIGHEST, preferred_element_type=_F32)
-
-
-def _one_hot(size, b):
-    """[C, R]: E[r, j] = 1 where r = R b + j."""
-    return (_iota((size, ROWS), 0) == _iota((size, ROWS), 1) + ROWS * b).astype(_F32)
-
-
-def put_rows(x_b, b, size):
-    """[R, D] -> [C, D], zero outside block b."""
-    return _exact(_one_hot(size, b), x_b, ((1,), (0,)))
-
-
-def put_block(x_bb, b, size):
-    """[R, R] -> [C, C], zero outside the diagonal block b."""
-    e = _one_hot(size, b)
-    return _exact(_exact(e, x_bb, ((1,), (0,))), e, ((1,), (1,)))
 
 
 class Decay(NamedTuple):
@@ -117,7 +92,7 @@ def masks(doc, doc_row=None):
 def partial_scores(x: ChunkIn, dec: Decay, *, dense, with_diagonal=True):
     """Decayed scores summed over the key channels of x only, unmasked: (Aqk, Akk) [C, C]. Summing the results of
     key-channel tiles gives the whole products (every factor is elementwise in the key channel). Pairwise path with
-    with_diagonal=False: the diagonal blocks are left out (see pairwise_diagonal)."""
+    with_diagonal=False: the diagonal blocks are left out (pallas_blocks.pairwise_levels adds them)."""
     size = x.q.shape[0]
     qt, kt = x.q * dec.row_factor, x.k * dec.row_factor
     aqk = akk = jnp.zeros((size, size), _F32)
@@ -128,31 +103,8 @@ def partial_scores(x: ChunkIn, dec: Decay, *, dense, with_diagonal=True):
             aqk = aqk + jnp.where(on_block, mm_nt(qt, kc), 0.0)
             akk = akk + jnp.where(on_block, mm_nt(kt, kc), 0.0)
     if not dense and with_diagonal:
-        for b in range(size // ROWS):
-            q_b, k_b, g_b = x.blocks(b)
-            diag_qk, diag_kk = pairwise_columns((q_b, k_b), k_b, cumsum_rows(g_b))
-            aqk, akk = aqk + put_block(diag_qk, b, size), akk + put_block(diag_kk, b, size)
-    return aqk, akk
-
-
-def pairwise_diagonal(blocks, num_blocks, rows=None):
-    """The exact diagonal blocks [(Aqk_bb, Akk_bb)] ([R, R] each) of x's key channels, from blocks(b) -> (q_b, k_b,
-    g_b) [R, K]. Only decay differences inside a block enter, so the block's own cumulative sum of g stands in for
-    the chunk's (no rows have to be moved out of a [C, K] tile). rows: None, or rows(b, c) -> (k, g) of the block's
-    row c as [1, K] loads (see pairwise_columns)."""
-    out = []
-    for b in range(num_blocks):
-        q_b, k_b, g_b = blocks(b)
-        block_rows = None if rows is None else functools.partial(rows, b)
-        out.append(pairwise_columns((q_b, k_b), k_b, cumsum_rows(g_b), rows=block_rows))
-    return out
-
-
-def place_diagonal(diagonal, size):
-    """[(Aqk_bb, Akk_bb)] -> their [C, C] placements (exact), zero off the diagonal blocks."""
-    aqk = akk = jnp.zeros((size, size), _F32)
-    for b, (diag_qk, diag_kk) in enumerate(diagonal):
-        aqk, akk = aqk + put_block(diag_qk, b, size), akk + put_block(diag_kk, b, size)
+        diag_qk, diag_kk = pairwise_levels((x.q, x.k), x.k, dec.gam)
+        aqk, akk = aqk + diag_qk, akk + diag_kk
     return aqk, akk
 
 
@@ -262,11 +214,9 @@ def backward_scores(x: ChunkIn, k_base, aqk, akk, t, w, u, do, du, dqp, dw):
     return daqk, x.beta * dl, dkb, dv, dbeta[:, None]
 
 
-def backward_inputs(x: ChunkIn, core: Gates, daqk, dakk, dkb, dqp, dkd, dd, diag_blocks, *, dense):
+def backward_inputs(x: ChunkIn, core: Gates, daqk, dakk, dkb, dqp, dkd, dd, *, dense):
     """Second half: through the decayed scores and the decay factors to dq (w.r.t. the scaled q), dk and dg.
-
-    diag_blocks(b) -> (dAqk_bb, dAkk_bb) [R, R] (pairwise path only). dd: [1, K].
-    """
+    daqk, dakk: [C, C] score gradients (masked); dd: [1, K]."""
     dec, size = core.dec, x.q.shape[0]
     eye = _iota((size, size), 0) == _iota((size, size), 1)
     # The diagonal q_r.k_r of Aqk has no decay: taken out of the score gradients so that its terms in dgam
@@ -287,14 +237,9 @@ def backward_inputs(x: ChunkIn, core: Gates, daqk, dakk, dkb, dqp, dkd, dd, diag
             kc = x.k * col_factor
             dqt, dkt = dqt + mm(jnp.where(on_block, daqk, 0.0), kc), dkt + mm(jnp.where(on_block, dakk, 0.0), kc)
     dxq, dxk = dqt * dec.row_factor, dkt * dec.row_factor
-    if not dense:
-        for b in range(size // ROWS):
-            q_b, k_b, g_b = x.blocks(b)
-            daqk_bb, dakk_bb = diag_blocks(b)
-            daqk_bb = jnp.where(_iota((ROWS, ROWS), 0) == _iota((ROWS, ROWS), 1), 0.0, daqk_bb)
-            (dq_b, dk_b), dy_b = pairwise_grads((daqk_bb, dakk_bb), (q_b, k_b), k_b, cumsum_rows(g_b))
-            dxq, dxk = dxq + put_rows(dq_b, b, size), dxk + put_rows(dk_b, b, size)
-            dyk = dyk + put_rows(dy_b, b, size)
+    if not dense:  # the diagonal blocks (daqk's diagonal is out already, dakk's is zero)
+        (dq_p, dk_p), dy_p = pairwise_levels_grads((daqk, dakk), (x.q, x.k), x.k, dec.gam)
+        dxq, dxk, dyk = dxq + dq_p, dxk + dk_p, dyk + dy_p
     decay_in = jnp.where(x.reads, jnp.exp(dec.gam), 0.0)
     dq = dxq + diag * x.k + decay_in * dqp
     dk = dyk + dxk + diag * x.q + x.beta * decay_in * dkb + core.kd_scale * dkd

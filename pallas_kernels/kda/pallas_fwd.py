@@ -16,10 +16,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.kda import pallas_blocks as blk
-from pallas_kernels.kda.pallas_blocks import ROWS
-from pallas_kernels.kda.pallas_chunk import (ChunkIn, chunk_core, chunk_forward, chunk_gates, key_outputs,
-                                            mask_scores, pairwise_diagonal, partial_scores, place_diagonal,
-                                            unit_lower_inverse, value_outputs)
+from pallas_kernels.kda.pallas_chunk import (ChunkIn, chunk_core, chunk_forward, chunk_gates, key_outputs, mask_scores,
+                                            partial_scores, unit_lower_inverse, value_outputs)
 
 _F32 = jnp.float32
 
@@ -64,7 +62,7 @@ class Tuning:
     # inputs), accumulating in fp32; the state itself stays fp32. False: TF32 products of fp32 operands.
     scan_low_precision: bool = True
     # Matmul operands of the forward's per-chunk kernels for 16-bit inputs: "tf32" (fp32 tiles), "bf16_scores" (bf16
-    # in the decayed-score products only) or "bf16" (every product; the one-hot block moves stay exact). fp32
+    # in the decayed-score products only) or "bf16" (every product). fp32
     # accumulation throughout. "bf16" puts o at 0.9-1.0 of its bar (relative RMS 4.4e-3 at K = 128 on the H200,
     # 5.0e-3 at K = 32), so the forward defaults to "bf16_scores" (benchmarks/notes_kda.md, v8).
     intra_operands: str = "bf16_scores"
@@ -78,15 +76,9 @@ class Tuning:
     # unsplit, one kernel per chunk writes w, kd, u and Aqk (the inverse stays in the program; slower on the H200).
     # 16-bit inputs only (pallas_op.lean_forward: with fp32 ones the output kernel needs too much shared memory).
     output_from_scores: bool = True
-    # Exact diagonal blocks of the unbounded gate in the split forward's score kernel and the row-block input
-    # backward: "levels" (nested pair groups: four masked [C, Kt] x [Kt, C] products per key tile, each through an
-    # anchor that keeps both decay factors <= 1, pallas_blocks.pairwise_levels) or "columns" (a loop over each
-    # block's 16 columns, [R, Kt] work per step). H100, T = 32768: score kernel 6.17 -> 3.58 ms, forward+backward
-    # 18.3 -> 15.2 ms (notes v9; the v7-v8 "wide" and "block" forms, 4.30 ms and slower backwards, were removed).
-    # The whole-tile kernels (fp32 inputs, intra_tile = 0, Mosaic TPU) go by columns.
-    pairwise: str = "levels"
-    # Warps of the forward's per-chunk score kernel for the unbounded gate (intra_warps: the bounded one's). "levels"
-    # compiles without spills at 8 (4: 768 B) and runs 6% faster there (H100).
+    # Warps of the forward's per-chunk score kernel for the unbounded gate (intra_warps: the bounded one's). Its exact
+    # diagonal blocks (pallas_blocks.pairwise_levels, a second pass over the key tiles) compile without spills at 8
+    # (4: 768 B) and run 6% faster there (H100).
     pairwise_warps: int = 8
     # Input backward: "rows" (one 16-row block at a time: [R, C] x [C, Kt] products, a quarter of the masked whole-tile
     # ones' multiply-adds, [R, Kt] results live), "tiles" (whole [C, Kt] tiles: masked [C, C] x [C, Kt] products,
@@ -110,16 +102,6 @@ class Tuning:
             default = getattr(tuning, name)
             changes[name] = bool(int(value)) if isinstance(default, bool) else type(default)(value)
         return dataclasses.replace(tuning, **changes)
-
-
-PAIRWISE = ("levels", "columns")
-
-
-def check_pairwise(tuning):
-    """Tuning.pairwise, checked."""
-    if tuning.pairwise not in PAIRWISE:
-        raise ValueError(f"Tuning.pairwise must be one of {PAIRWISE}, got {tuning.pairwise!r}")
-    return tuning.pairwise
 
 
 INPUT_BWD = ("auto", "rows", "tiles")
@@ -178,7 +160,6 @@ def ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale,
     (the Mosaic TPU kernels: no rank-1 values), beta and doc [C, 1], doc_row_ref [1, C], prev_ref [1, 1]."""
     size = q_ref.shape[0]
     load = lambda ref: ref[...].astype(_F32)  # noqa: E731
-    block = lambda ref, b: ref[pl.ds(b * ROWS, ROWS), :].astype(_F32)  # noqa: E731
     doc = doc_ref[...]
     if doc_row_ref is None:
         vectors = dict(beta=load(beta_ref)[:, None], doc_in=blk.element(prev_ref[...], 0),
@@ -187,7 +168,7 @@ def ref_chunk(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale,
         vectors = dict(beta=load(beta_ref), doc_in=prev_ref[...], doc_last=blk.row(doc, size - 1)[None, :],
                        doc_row=doc_row_ref[...])
     return ChunkIn(q=load(q_ref) * scale, k=load(k_ref), v=None if v_ref is None else load(v_ref), g=load(g_ref),
-                   doc=doc, blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b), block(g_ref, b)), **vectors)
+                   doc=doc, **vectors)
 
 
 def operand_cast(low):
@@ -229,48 +210,33 @@ def _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, cols, *, scale
     size = q_ref.shape[0]
     doc = doc_ref[...]
     load = lambda ref: ref[:, cols].astype(_F32)  # noqa: E731
-    block = lambda ref, b: ref[pl.ds(b * ROWS, ROWS), cols].astype(_F32)  # noqa: E731
     return ChunkIn(q=load(q_ref) * scale, k=load(k_ref), v=None, g=load(g_ref),
                    beta=beta_ref[...].astype(_F32)[:, None], doc=doc, doc_in=blk.element(prev_ref[...], 0),
-                   doc_last=blk.element(doc, size - 1),
-                   blocks=lambda b: (block(q_ref, b) * scale, block(k_ref, b), block(g_ref, b)))
+                   doc_last=blk.element(doc, size - 1))
 
 
-def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, pairwise="columns"):
+def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile):
     """Aqk, Akk (masked) and T = (I + diag(beta) Akk)^-1 [C, C] of a chunk, summing the scores over key tiles.
-    pairwise (Tuning.pairwise) for the unbounded diagonal blocks: "columns", column by column inside the key-tile
-    loop, as [R, R] blocks placed after it; "levels", as [C, C] products in a second pass over the key tiles
-    (pallas_blocks.pairwise_levels), so that nothing else is live beside them."""
+    Unbounded: the exact diagonal blocks in a second pass over the key tiles (pallas_blocks.pairwise_levels), so that
+    nothing of the first is live beside them."""
     size, key_dim = q_ref.shape
-    num_blocks = size // ROWS
-    columns = not dense and pairwise == "columns"
     tile_input = lambda j: _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref,  # noqa: E731
                                        pl.ds(j * tile, tile), scale=scale)
 
     def add_scores(j, acc):
         x = tile_input(j)
         aqk, akk = partial_scores(x, chunk_gates(x).dec, dense=dense, with_diagonal=False)
-        if not columns:
-            return acc[0] + aqk, acc[1] + akk
-        # The diagonal blocks are summed over key tiles as [R, R] blocks and placed once, after the loop.
-        cols = pl.ds(j * tile, tile)
-        rows = lambda b, c: (k_ref[pl.ds(b * ROWS + c, 1), cols], g_ref[pl.ds(b * ROWS + c, 1), cols])  # noqa: E731
-        diagonal = pairwise_diagonal(x.blocks, num_blocks, rows=rows)
-        return (acc[0] + aqk, acc[1] + akk, *(a + d for a, d in zip(acc[2:], sum(map(tuple, diagonal), ()))))
+        return acc[0] + aqk, acc[1] + akk
 
-    def add_levels(j, acc):
+    def add_diagonal(j, acc):
         x = tile_input(j)
         diag_qk, diag_kk = blk.pairwise_levels((x.q, x.k), x.k, blk.cumsum_rows(x.g))
         return acc[0] + diag_qk, acc[1] + diag_kk
 
     zeros = jnp.zeros((size, size), _F32)
-    blocks = (jnp.zeros((ROWS, ROWS), _F32),) * (2 * num_blocks) if columns else ()
-    aqk, akk, *diagonal = lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros, *blocks))
-    if columns:
-        diag_qk, diag_kk = place_diagonal(list(zip(diagonal[0::2], diagonal[1::2])), size)
-        aqk, akk = aqk + diag_qk, akk + diag_kk
-    elif not dense:
-        aqk, akk = lax.fori_loop(0, key_dim // tile, add_levels, (aqk, akk))
+    aqk, akk = lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros))
+    if not dense:
+        aqk, akk = lax.fori_loop(0, key_dim // tile, add_diagonal, (aqk, akk))
     aqk, akk = mask_scores(doc_ref[...], aqk, akk)
     return aqk, akk, unit_lower_inverse(beta_ref[...].astype(_F32)[:, None] * akk)
 
@@ -324,22 +290,22 @@ def _tiled_intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref,
 
 @with_precision
 def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref, kd_ref, u_ref, d_ref, aqk_ref, *,
-                       scale, dense, tile, pairwise):
+                       scale, dense, tile):
     """The inference forward's per-chunk work in one program (Tuning.output_from_scores without split_intra): the
     scores and the solve, then only what the state scan and o read: w, kd, D per key tile, u per value tile, Aqk.
     The inverse never leaves the program, and the second pass re-reads the chunk's tiles while they are cached."""
     inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
-    aqk, _, t = _solved_scores(*inputs, scale=scale, dense=dense, tile=tile, pairwise=pairwise)
+    aqk, _, t = _solved_scores(*inputs, scale=scale, dense=dense, tile=tile)
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
     _write_output_tiles(inputs, v_ref, None, t, (w_ref, None, kd_ref, d_ref), (u_ref, None), scale=scale, tile=tile)
 
 
 @with_precision
-def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile, pairwise):
+def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile):
     """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve. out_refs: Aqk, Akk, T
     (Akk is kept for the backward only), or Aqk, T."""
     aqk, akk, t = _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense,
-                                 tile=tile, pairwise=pairwise)
+                                 tile=tile)
     for ref, value in zip(out_refs, (aqk, akk, t) if len(out_refs) == 3 else (aqk, t)):
         ref[...] = value.astype(ref.dtype)
 
@@ -401,8 +367,7 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), score_dtype(precision))
     lean = lean and key_dim == value_dim
     scores = pl.pallas_call(
-        functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
-                          pairwise=check_pairwise(tuning)),
+        functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]],
         out_specs=[chunk_tile(chunk, chunk)] * (2 if lean else 3),
@@ -507,8 +472,7 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
     precision = intra_precision(tuning, precision, q.dtype)
     if tiled and lean:
         w, kd, u, d, aqk = pl.pallas_call(
-            functools.partial(_tiled_lean_kernel, scale=scale, dense=dense, precision=precision, tile=tile,
-                              pairwise=check_pairwise(tuning)),
+            functools.partial(_tiled_lean_kernel, scale=scale, dense=dense, precision=precision, tile=tile),
             grid=(chunks, value_heads),
             in_specs=input_specs(chunk, key_dim, value_dim, value_heads // heads),
             out_specs=[chunk_tile(chunk, key_dim)] * 2 + [chunk_tile(chunk, value_dim), chunk_vector(key_dim),

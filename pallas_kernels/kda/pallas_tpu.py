@@ -260,9 +260,8 @@ def _score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, doc_row_ref, doc_
 def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, doc_row_ref, doc_in_ref, daqk_ref, dakk_ref, dkb_ref,
                        dqp_ref, dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense):
     x = _chunk_in(q_ref, k_ref, None, g_ref, beta_ref, doc_ref, doc_row_ref, doc_in_ref, scale=scale)
-    at = lambda b: (pl.ds(b * ROWS, ROWS), pl.ds(b * ROWS, ROWS))  # noqa: E731
     dq, dk, dg = backward_inputs(x, chunk_gates(x), daqk_ref[...], dakk_ref[...], dkb_ref[...], dqp_ref[...],
-                                 dkd_ref[...], dd_ref[...], lambda b: (daqk_ref[at(b)], dakk_ref[at(b)]), dense=dense)
+                                 dkd_ref[...], dd_ref[...], dense=dense)
     dq_ref[...], dk_ref[...], dg_ref[...] = dq * scale, dk, dg
 
 

@@ -15,19 +15,6 @@ def test_unit_lower_inverse_matches_dense_inverse(size):
     np.testing.assert_allclose(t, np.linalg.inv(np.eye(size) + l.astype(np.float64)), rtol=1e-4, atol=1e-4)
 
 
-def test_one_hot_moves_are_exact():
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 32)), jnp.float32) * 1e3
-    for b in range(4):
-        rows = x[16 * b:16 * (b + 1)]
-        placed = np.asarray(pc.put_rows(rows, b, 64))
-        np.testing.assert_array_equal(placed[16 * b:16 * (b + 1)], rows)
-        assert not placed[:16 * b].any() and not placed[16 * (b + 1):].any()
-    block = x[:16, :16]
-    placed = np.asarray(pc.put_block(block, 2, 64))
-    np.testing.assert_array_equal(placed[32:48, 32:48], block)
-    assert np.count_nonzero(placed) == np.count_nonzero(block)
-
-
 @pytest.mark.parametrize("dense", [True, False])
 def test_scores_match_pairwise_definition(dense):
     # Aqk[r, c] = sum_d q k e^(gam_r - gam_c) (c <= r, same document), Akk likewise strictly below the diagonal.
@@ -37,8 +24,7 @@ def test_scores_match_pairwise_definition(dense):
     g = (-5.0 * rng.uniform(size=(size, dim))).astype(np.float32)
     doc = (np.arange(size) >= 40).astype(np.int32)
     x = pc.ChunkIn(q=jnp.asarray(q), k=jnp.asarray(k), v=None, g=jnp.asarray(g), beta=None, doc=jnp.asarray(doc),
-                   doc_in=0, doc_last=1, blocks=lambda b: tuple(jnp.asarray(a[16 * b:16 * b + 16])
-                                                                for a in (q, k, g)))
+                   doc_in=0, doc_last=1)
     aqk, akk = pc.scores(x, pc.decay(x.g), dense=dense)
     gam = np.cumsum(g.astype(np.float64), axis=0)
     decay = np.exp(gam[:, None, :] - gam[None, :, :])

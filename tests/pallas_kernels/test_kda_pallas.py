@@ -282,81 +282,62 @@ def test_input_backward_form_follows_the_gate_and_operands():
         input_bwd_rows(Tuning(input_bwd="row"), dense=True)
 
 
-def _check_pairwise_form(monkeypatch, tuning, names, seed, dtype=jnp.float32, agree=1e-6):
-    """The unbounded gate under `tuning` in interpret mode: the pallas_blocks functions `names` are called, and the
-    kernels meet the reference's bars (fp32: 1e-5; bf16: the bf16 bars) with 64-token chunks, GVA, documents inside
-    blocks, an initial state and a padded length; in fp32 they also agree with the column form within `agree`."""
+@pytest.mark.parametrize("steepness", [0.5, 60.0])
+def test_level_form_diagonal_blocks_match_the_pairwise_definition(steepness):
+    # pairwise_levels / pairwise_levels_grads on a 64-row chunk against the definition A[a, c] = sum_d x y
+    # e^(gam_a - gam_c) (a >= c in one 16-row block) in float64 and its gradients, for a mild decay and one of -60
+    # per step (the unbounded gate's worst case: e^(gam_a - gam_c) across a block spans e^-900, so every factor must
+    # stay <= 1): the same values, all finite, zero off the diagonal blocks.
     from pallas_kernels.kda import pallas_blocks as blk
+    rng = np.random.default_rng(3)
+    q, k = (rng.standard_normal((64, 32)).astype(np.float32) for _ in range(2))
+    gam = np.cumsum(-steepness * rng.random((64, 32)), axis=0).astype(np.float32)
+    a, c = np.arange(64)[:, None], np.arange(64)[None, :]
+    pairs = (a >= c) & (a // 16 == c // 16)
+    decay = np.where(pairs[..., None], np.exp(np.minimum(gam[:, None, :].astype(np.float64) - gam[None], 0.0)), 0.0)
+    want = [np.einsum("ad,cd,acd->ac", x, k, decay) for x in (q, k)]
+    got = blk.pairwise_levels((jnp.asarray(q), jnp.asarray(k)), jnp.asarray(k), jnp.asarray(gam))
+    for w, g in zip(want, got):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
+    das = [np.where(pairs, rng.standard_normal((64, 64)), 0.0).astype(np.float32) for _ in range(2)]
+    (dq, dk), dy = blk.pairwise_levels_grads(tuple(map(jnp.asarray, das)), (jnp.asarray(q), jnp.asarray(k)),
+                                             jnp.asarray(k), jnp.asarray(gam))
+    want_dx = [np.einsum("ac,cd,acd->ad", da, k, decay) for da in das]
+    want_dy = sum(np.einsum("ac,ad,acd->cd", da, x, decay) for da, x in zip(das, (q, k)))
+    for w, g in zip(want_dx + [want_dy], (dq, dk, dy)):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unbounded_gate_in_the_split_kernels_matches_reference(monkeypatch, dtype):
+    # The unbounded gate through the split scores kernel (diagonal blocks in a second pass over two 8-channel key
+    # tiles) and the row-block input backward, both calling pairwise_levels(_grads); 64-token chunks, GVA,
+    # documents inside blocks, an initial state, a padded length. fp32: 1e-5; bf16: the bf16 bars.
+    from pallas_kernels.kda import pallas_blocks as blk
+    from pallas_kernels.kda.pallas_fwd import Tuning
     traced = []
-    for name in names:
+    for name in ("pairwise_levels", "pairwise_levels_grads"):
         monkeypatch.setattr(blk, name, functools.partial(
             lambda fn, name, *a: traced.append(name) or fn(*a), getattr(blk, name), name))
-    _interpret_with(monkeypatch, tuning)
-    x = random_inputs(seed, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
+    _interpret_with(monkeypatch, Tuning(intra_tile=8, key_tile=8, input_bwd="rows"))
+    x = random_inputs(17, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
                       gate="softplus", g_min=None, dtype=dtype)
     ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
     bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, None, 64, ids, tol=1e-5 if dtype == jnp.float32 else bf16_bars)
-    assert set(traced) == set(names)
-    if dtype != jnp.float32:
-        return
-    got = _run("interpret", x, None, 64, ids)
-    _interpret_with(monkeypatch, dataclasses.replace(tuning, pairwise="columns"))
-    columns = _run("interpret", x, None, 64, ids)
-    for name in NAMES:
-        assert relative_rms_error(np.asarray(columns[name]), np.asarray(got[name])) < agree, name
+    assert set(traced) == {"pairwise_levels", "pairwise_levels_grads"}
 
 
-@pytest.mark.parametrize("steepness", [0.5, 60.0])
-def test_level_form_pairwise_diagonal_equals_the_column_form(steepness):
-    # pairwise_levels / pairwise_levels_grads against the column loop on one 16-row block, both a mild decay and one
-    # of -60 per step (the unbounded gate's worst case: e^(gam_a - gam_c) across a block is e^900, so every factor
-    # must stay <= 1): the same values, all finite. Also over a whole 64-row chunk, where the levels fill every
-    # diagonal block at once and leave the off-diagonal ones zero.
-    from pallas_kernels.kda import pallas_blocks as blk
-    rng = np.random.default_rng(3)
-    q, k = (jnp.asarray(rng.standard_normal((64, 32)), jnp.float32) for _ in range(2))
-    gam = jnp.cumsum(-steepness * jnp.asarray(rng.random((64, 32)), jnp.float32), axis=0)
-    das = tuple(jnp.tril(jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)) for _ in range(2))
-    for b in range(4):
-        rows = slice(16 * b, 16 * (b + 1))
-        local = gam[rows] - gam[16 * b]  # pairs only see differences inside the block
-        columns = blk.pairwise_columns((q[rows], k[rows]), k[rows], local)
-        levels = blk.pairwise_levels((q[rows], k[rows]), k[rows], local)
-        for a, c in zip(columns, levels):
-            assert np.isfinite(np.asarray(c)).all()
-            np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-5)
-        (dq_c, dk_c), dy_c = blk.pairwise_grads(das, (q[rows], k[rows]), k[rows], local)
-        (dq_l, dk_l), dy_l = blk.pairwise_levels_grads(das, (q[rows], k[rows]), k[rows], local)
-        for a, c in ((dq_c, dq_l), (dk_c, dk_l), (dy_c, dy_l)):
-            assert np.isfinite(np.asarray(c)).all()
-            np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-5)
-        whole = blk.pairwise_levels((q, k), k, gam)
-        np.testing.assert_allclose(np.asarray(whole[0][rows, rows]), np.asarray(columns[0]), rtol=1e-5, atol=1e-5)
-    off_block = np.arange(64)[:, None] // 16 != np.arange(64)[None, :] // 16
-    assert not np.asarray(whole[0])[off_block].any() and not np.asarray(whole[1])[off_block].any()
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_level_form_pairwise_is_the_default_and_matches_reference(monkeypatch, dtype):
-    # Tuning() takes pairwise="levels" for the unbounded gate: the split scores kernel (a second pass over the key
-    # tiles) and the row-block input backward call it. fp32: the reference's bars and the column form's results;
-    # bf16: the bf16 bars.
-    from pallas_kernels.kda.pallas_fwd import Tuning
-    assert Tuning().pairwise == "levels"
-    _check_pairwise_form(monkeypatch, Tuning(intra_tile=8, key_tile=8, input_bwd="rows"),
-                         ("pairwise_levels", "pairwise_levels_grads"), seed=17, dtype=dtype, agree=1e-5)
-
-
-def test_channel_and_pairwise_tunings_are_checked():
-    from pallas_kernels.kda.pallas_fwd import Tuning, check_pairwise, output_tile
-    assert check_pairwise(Tuning()) == "levels" and check_pairwise(Tuning(pairwise="columns")) == "columns"
+def test_output_tile_is_checked():
+    from pallas_kernels.kda.pallas_fwd import Tuning, output_tile
     assert output_tile(Tuning(output_tile=0), 128, 128) == 32 and output_tile(Tuning(output_tile=128), 128, 128) == 128
     assert output_tile(Tuning(output_tile=128), 128, 64) == 64  # at most K and V
     with pytest.raises(ValueError, match="output_tile must divide.*96, 96.*got 64"):
         output_tile(Tuning(output_tile=64), 96, 96)
-    with pytest.raises(ValueError, match=r"Tuning.pairwise must be one of \('levels', 'columns'\), got 'wide'"):
-        check_pairwise(Tuning(pairwise="wide"))
+    with pytest.raises(ValueError, match="Tuning: unknown field 'pairwise'"):
+        Tuning.from_string("pairwise=columns")
 
 
 @pytest.mark.parametrize("gate, g_min, output_tile, split", [("bounded", -5.0, 0, True), ("softplus", None, 0, True),
@@ -396,16 +377,16 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
         _compare(x, g_min, 64, ids, tol=1e-5)
 
 
-@pytest.mark.parametrize("tuning_text, grads", [("output_from_scores=1", False),
-                                                ("output_from_scores=1,split_intra=0", False),
-                                                ("pairwise=columns", True)])
-def test_opt_in_gpu_kernels_lower_for_cuda(tuning_text, grads):
-    # The opt-in kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a
-    # Triton custom call (what fails here would fail on the GPU before compiling).
+@pytest.mark.parametrize("tuning_text, grads, g_min", [("output_from_scores=1", False, -5.0),
+                                                       ("output_from_scores=1,split_intra=0", False, -5.0),
+                                                       ("base", True, None)])
+def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
+    # Kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a Triton custom
+    # call (what fails here would fail on the GPU before compiling). The inference forwards, and the unbounded
+    # gate's forward and backward.
     from jax.sharding import AbstractDevice, AbstractMesh
     from pallas_kernels.kda.pallas_fwd import Tuning
     tuning = Tuning.from_string(tuning_text)
-    g_min = None if "pairwise" in tuning_text else -5.0
 
     def forward(q, k, v, g, beta, s0):
         run = api._whole_chunks(functools.partial(kda_pallas, tuning=tuning))
