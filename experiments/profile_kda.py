@@ -54,7 +54,8 @@ def profile(shape, bounded, tuning, repeats):
     import jax.numpy as jnp
     from pallas_kernels.kda import api
     from pallas_kernels.kda.pallas_bwd import input_grads, score_grads, state_grad, state_side_grads
-    from pallas_kernels.kda.pallas_fwd import intra_forward, state_scan
+    from pallas_kernels.kda.pallas_fwd import intra_forward
+    from pallas_kernels.kda.pallas_scan import state_scan
     from pallas_kernels.kda.pallas_op import kda_pallas, pallas_dense
 
     batch, seq_len, heads, dim = shape

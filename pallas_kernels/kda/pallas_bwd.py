@@ -13,8 +13,8 @@ from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, score_products
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
 from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, input_bwd_rows, input_specs, intra_precision,
-                                           operand_cast, ref_chunk, saved_state_dtype, scan_load, scan_params,
-                                           score_dtype, sequence_specs, with_precision)
+                                           operand_cast, ref_chunk, scan_load, scan_params, score_dtype, with_precision)
+from pallas_kernels.kda.pallas_scan import saved_state_dtype, sequence_specs
 
 _F32 = jnp.float32
 

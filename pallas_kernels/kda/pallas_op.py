@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.layout import document_index
 from pallas_kernels.kda.pallas_bwd import intra_grads, state_grad, state_side_grads
-from pallas_kernels.kda.pallas_fwd import Tuning, intra_forward, scores_output_scan, state_scan
+from pallas_kernels.kda.pallas_fwd import Tuning, intra_forward
+from pallas_kernels.kda.pallas_scan import scores_output_scan, state_scan
 
 CHUNK_RANGE = (blk.ROWS, 128)
 

@@ -198,7 +198,7 @@ def test_bf16_ungrouped_path_writes_input_dtypes_and_16_bit_residuals(monkeypatc
     # kernel, 16-bit per-chunk states and state gradients kept for the backward (scan_low_precision), the saved
     # scores and the score gradients in bf16 when every per-chunk product takes bf16 operands, and gradients written
     # in the inputs' dtypes by the kernels. Still within the bf16 bars.
-    from pallas_kernels.kda import pallas_fwd
+    from pallas_kernels.kda import pallas_fwd, pallas_scan
     from pallas_kernels.kda.pallas_fwd import Tuning
     tuning = Tuning(intra_operands=operands, backward_operands="")
     _interpret_with(monkeypatch, tuning)
@@ -214,8 +214,8 @@ def test_bf16_ungrouped_path_writes_input_dtypes_and_16_bit_residuals(monkeypatc
     fwd = lambda *a: chunk_kda(*a, g_min=-5.0, chunk_size=64, backend="interpret")[0]  # noqa: E731
     jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(fwd, *a)[1](fwd(*a)))(*args))
     assert "kda_outputs_fwd" in jaxpr
-    assert pallas_fwd.saved_state_dtype(tuning, jnp.bfloat16) == jnp.bfloat16
-    assert pallas_fwd.saved_state_dtype(Tuning(scan_low_precision=False), jnp.bfloat16) == jnp.float32
+    assert pallas_scan.saved_state_dtype(tuning, jnp.bfloat16) == jnp.bfloat16
+    assert pallas_scan.saved_state_dtype(Tuning(scan_low_precision=False), jnp.bfloat16) == jnp.float32
     scores = pallas_fwd.score_dtype(pallas_fwd.intra_precision(tuning, None, jnp.bfloat16))
     assert scores == (jnp.bfloat16 if operands == "bf16" else jnp.float32)
     assert "bf16[3,2,32,32]" in jaxpr  # the three chunks' stored states of each value head
