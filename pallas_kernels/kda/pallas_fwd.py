@@ -23,6 +23,9 @@ from pallas_kernels.kda.pallas_chunk import (ChunkIn, chunk_core, chunk_forward,
 _F32 = jnp.float32
 
 
+WARPS = (1, 2, 4, 8, 16)  # warps per program that Triton accepts (a power of two, at most 16)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Launch parameters of the kernels. The defaults are the fastest measured on the H200 (and H100) at B=1,
@@ -87,6 +90,12 @@ class Tuning:
     # gradients are per block anyway) and for bf16 backward operands, tiles otherwise (the faster of the two in each
     # case on the H100/H200, benchmarks/notes_kda.md v7); always tiles for fp32 inputs (see input_bwd_rows).
     input_bwd: str = "auto"
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            warps = getattr(self, field.name)
+            if field.name.endswith("_warps") and warps not in WARPS:
+                raise ValueError(f"Tuning.{field.name} must be one of {WARPS} (warps per program), got {warps!r}")
 
     @classmethod
     def from_string(cls, text):

@@ -330,7 +330,7 @@ def test_unbounded_gate_in_the_split_kernels_matches_reference(monkeypatch, dtyp
     assert set(traced) == {"pairwise_levels", "pairwise_levels_grads"}
 
 
-def test_output_tile_is_checked():
+def test_output_tile_and_warps_are_checked():
     from pallas_kernels.kda.pallas_fwd import Tuning, output_tile
     assert output_tile(Tuning(output_tile=0), 128, 128) == 32 and output_tile(Tuning(output_tile=128), 128, 128) == 128
     assert output_tile(Tuning(output_tile=128), 128, 64) == 64  # at most K and V
@@ -338,6 +338,11 @@ def test_output_tile_is_checked():
         output_tile(Tuning(output_tile=64), 96, 96)
     with pytest.raises(ValueError, match="Tuning: unknown field 'pairwise'"):
         Tuning.from_string("pairwise=columns")
+    with pytest.raises(ValueError, match=r"Tuning.pairwise_warps must be one of \(1, 2, 4, 8, 16\).*got 3"):
+        Tuning(pairwise_warps=3)
+    with pytest.raises(ValueError, match="Tuning.intra_warps must be one of"):
+        Tuning.from_string("intra_warps=0")
+    assert Tuning.from_string("pairwise_warps=4").pairwise_warps == 4
 
 
 @pytest.mark.parametrize("gate, g_min, output_tile, split", [("bounded", -5.0, 0, True), ("softplus", None, 0, True),
