@@ -23,8 +23,11 @@ flags.DEFINE_string("tuning", "base", "Launch tuning of the GPU kernels (backend
                     "--tuning: 'base' or 'field=value,...' of pallas_fwd.Tuning.")
 
 G_MIN = -5.0
-NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate0")
-BF16_BARS = dict(o=0.005, state=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=0.02, dstate0=0.008)
+# o and state of the training forward (under jax.vjp), its gradients, then o and state of the forward alone (o_inf,
+# state_inf: the inference forward, which the GPU runs as other kernels, see Tuning.output_from_scores).
+NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate0", "o_inf", "state_inf")
+BF16_BARS = dict(o=0.005, state=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=0.02, dstate0=0.008, o_inf=0.005,
+                 state_inf=0.005)
 # (name, gate distribution, dtype), all at one shape: each new shape costs about a minute of kernel compilation on
 # the GPU. Other lengths (63, 64, 500, ...) are covered by the interpret-mode tests on the CPU.
 SHAPE = dict(batch=1, seq_len=1000, heads=2, value_heads=4)
@@ -67,7 +70,8 @@ def run(backend, x, segment_ids, g_min, cotangents):
 
     (o, state), vjp = jax.vjp(f, *args)
     grads = vjp(tuple(c.astype(a.dtype) for c, a in zip(cotangents, (o, state))))
-    return [np.asarray(jnp.asarray(a, jnp.float32)) for a in (o, state, *grads)]
+    inference = jax.jit(f)(*args)
+    return [np.asarray(jnp.asarray(a, jnp.float32)) for a in (o, state, *grads, *inference)]
 
 
 def check_case(case, bounded, seed):
@@ -131,7 +135,8 @@ def main(argv):
              "(grouped values), random initial state, 4 documents (one boundary inside a chunk), chunk 64. "
              "Gates: layer = the layer's gate at initialisation, wide = g_min sigmoid(N) or -softplus(N), "
              "satur. = g = g_min everywhere (bounded) or -30 softplus(N) (unbounded). Relative RMS errors; bars: "
-             "bf16 o/state 5e-3, dq/dk/dv/dstate0 8e-3, dg/dbeta 2e-2; fp32 1e-4.", ""]
+             "bf16 o/state 5e-3, dq/dk/dv/dstate0 8e-3, dg/dbeta 2e-2; fp32 1e-4. o, state: the training forward "
+             "(under jax.vjp); o_inf, state_inf: the forward alone (the inference kernels).", ""]
     header = f"{'gate':<10}{'case':<22}" + "".join(f"{n:>10}" for n in NAMES) + "  finite  result"
     lines.append(header)
     print("\n".join(lines), flush=True)

@@ -433,3 +433,17 @@ def test_scans_take_at_most_two_stages_for_fp32_intermediates():
     assert scan_params(Tuning(), jnp.bfloat16).num_stages == 3
     assert scan_params(Tuning(), jnp.float32).num_stages == 2
     assert scan_params(Tuning(state_stages=1), jnp.float32).num_stages == 1
+
+
+def test_key_and_value_widths_may_differ(monkeypatch):
+    # K = 16, V = 32: the split forward's separate key-tile (w, qp) and value-tile (u, ol) kernels, after the scores
+    # kernel wrote the gated inputs; documents inside chunks, GVA, an initial state.
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    _interpret_with(monkeypatch, Tuning(intra_tile=8))
+    x = random_inputs(14, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=32, gate="bounded",
+                      g_min=-5.0)
+    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    jaxpr = str(jax.make_jaxpr(lambda *a: chunk_kda(*a, g_min=-5.0, chunk_size=64, backend="interpret"))(*args))
+    assert "kda_key_out_fwd" in jaxpr and "kda_value_out_fwd" in jaxpr
+    _compare(x, -5.0, 64, ids, tol=1e-5)
