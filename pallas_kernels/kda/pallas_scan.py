@@ -68,6 +68,22 @@ def _states_kernel(w_ref, kd_ref, u_ref, d_ref, s_init_ref, s_out_ref, chunk_sta
 
 
 @with_precision
+def _states_kernel_transposed(w_ref, kd_ref, u_ref, d_ref, s_init_ref, s_out_ref, chunk_state_ref, v_new_ref, *, low):
+    """_states_kernel with the state carried transposed, S^T [Vt, K]: v_new^T = u^T - S^T w^T and
+    S^T <- S^T D + v_new^T kd, so that the carried operands (S^T, v_new^T) are the products' left operands, which a
+    warpgroup MMA may read from registers, and the stored tiles (w, kd) the right ones, read where they were loaded."""
+    cast, operand = operand_cast(low), scan_load(low)
+
+    def step(n, state_t):
+        chunk_state_ref[n] = state_t.T.astype(chunk_state_ref.dtype)
+        v_new_t = u_ref[n].astype(_F32).T - blk.mm_nt(cast(state_t, w_ref), operand(w_ref, n))
+        v_new_ref[n] = v_new_t.T.astype(v_new_ref.dtype)
+        return d_ref[n][None, :] * state_t + blk.mm(cast(v_new_t, kd_ref), operand(kd_ref, n))
+
+    s_out_ref[...] = lax.fori_loop(0, d_ref.shape[0], step, s_init_ref[...].T).T
+
+
+@with_precision
 def _output_kernel(qp_ref, ol_ref, state_ref, o_ref, *, low):
     """One (chunk, value head, value tile): o = ol + qp S."""
     qp = qp_ref[...] if low else qp_ref[...].astype(_F32)
@@ -83,7 +99,8 @@ def _states_scan(w, kd, u, d, initial_state, *, tuning, interpret, precision):
     tile = min(tuning.state_tile, value_dim)
     keys, values, vector, states, _, state = sequence_specs(chunks // batch, key_dim, tile)
     return pl.pallas_call(
-        functools.partial(_states_kernel, precision=precision, low=tuning.scan_low_precision),
+        functools.partial(_states_kernel_transposed if tuning.scan_transposed else _states_kernel, precision=precision,
+                          low=tuning.scan_low_precision),
         grid=(batch, value_heads, value_dim // tile),
         in_specs=[keys(chunk)] * 2 + [values(chunk), vector, state],
         out_specs=[state, states, values(chunk)],

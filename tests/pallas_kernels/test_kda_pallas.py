@@ -447,3 +447,16 @@ def test_key_and_value_widths_may_differ(monkeypatch):
     jaxpr = str(jax.make_jaxpr(lambda *a: chunk_kda(*a, g_min=-5.0, chunk_size=64, backend="interpret"))(*args))
     assert "kda_key_out_fwd" in jaxpr and "kda_value_out_fwd" in jaxpr
     _compare(x, -5.0, 64, ids, tol=1e-5)
+
+
+@pytest.mark.parametrize("low", [False, True])
+def test_transposed_state_scan_matches_reference(monkeypatch, low):
+    # Tuning(scan_transposed=True): the forward's state scan carries S^T (both scan products take the carried operand
+    # on the left); the backward reads the same stored states and v_new. Two batches, documents, GVA, initial state.
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    _interpret_with(monkeypatch, Tuning(intra_tile=8, scan_transposed=True, scan_low_precision=low))
+    x = random_inputs(15, batch=2, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate="bounded",
+                      g_min=-5.0, dtype=jnp.bfloat16 if low else jnp.float32)
+    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (2, 150)))
+    bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
+    _compare(x, -5.0, 64, ids, tol=bf16_bars if low else 1e-5)
