@@ -38,6 +38,26 @@ def _state_grad_kernel(w_ref, qp_ref, kd_ref, d_ref, do_ref, ds_final_ref, ds_ch
     ds_init_ref[...] = lax.fori_loop(0, num_chunks, step, ds_final_ref[...])
 
 
+@with_precision
+def _state_grad_kernel_transposed(w_ref, qp_ref, kd_ref, d_ref, do_ref, ds_final_ref, ds_chunk_ref, dv_new_ref,
+                                  ds_init_ref, *, low):
+    """_state_grad_kernel with dS carried transposed, dS^T [Vt, K] (Tuning.scan_transposed): dV_new^T = dS^T kd^T,
+    dS_in^T = dS^T D + dO^T qp - dV_new^T w, the carried operands on the left of every product."""
+    num_chunks = d_ref.shape[0]
+    cast, operand = operand_cast(low), scan_load(low)
+
+    def step(i, ds_t):  # ds_t: [Vt, K] fp32
+        n = num_chunks - 1 - i
+        ds_chunk_ref[n] = ds_t.T.astype(ds_chunk_ref.dtype)
+        dv_new_t = blk.mm_nt(cast(ds_t, kd_ref), operand(kd_ref, n))
+        dv_new_ref[n] = dv_new_t.T
+        do_t = (do_ref[n] if low else do_ref[n].astype(_F32)).T
+        return (d_ref[n][None, :] * ds_t + blk.mm(do_t.astype(qp_ref.dtype) if low else do_t, operand(qp_ref, n))
+                - blk.mm(cast(dv_new_t, w_ref), operand(w_ref, n)))
+
+    ds_init_ref[...] = lax.fori_loop(0, num_chunks, step, ds_final_ref[...].T).T
+
+
 def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
     """Reverse recurrence dS_in = D dS_out + qp^T dO - w^T (kd dS_out).
 
@@ -50,7 +70,8 @@ def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
     tile = min(tuning.state_grad_tile or tuning.state_tile, value_dim)
     keys, values, vector, states, time_major, state = sequence_specs(chunks // batch, key_dim, tile)
     return pl.pallas_call(
-        functools.partial(_state_grad_kernel, precision=precision, low=tuning.scan_low_precision),
+        functools.partial(_state_grad_kernel_transposed if tuning.scan_transposed else _state_grad_kernel,
+                          precision=precision, low=tuning.scan_low_precision),
         grid=(batch, value_heads, value_dim // tile),
         in_specs=[keys(chunk)] * 3 + [vector, time_major(chunk), state],
         out_specs=[states, values(chunk), state],

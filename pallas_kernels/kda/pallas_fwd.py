@@ -65,7 +65,8 @@ class Tuning:
     # Multiply in the scans with the state (and v_new, dS) rounded to the stored intermediates' dtype (bf16 for bf16
     # inputs), accumulating in fp32; the state itself stays fp32. False: TF32 products of fp32 operands.
     scan_low_precision: bool = True
-    # The forward's state scan with the state carried transposed (pallas_scan._states_kernel_transposed).
+    # The state scans (forward and reverse) with the state carried transposed, S^T [Vt, K]
+    # (pallas_scan._states_kernel_transposed, pallas_bwd._state_grad_kernel_transposed).
     scan_transposed: bool = False
     # Matmul operands of the forward's per-chunk kernels for 16-bit inputs: "tf32" (fp32 tiles), "bf16_scores" (bf16
     # in the decayed-score products only) or "bf16" (every product). fp32
