@@ -77,12 +77,10 @@ class Tuning:
     # gradients stay at or under 0.66 of the bars with bf16 operands, which take the input backward from 5.4 to 4.1 ms
     # (H200, T = 32768).
     backward_operands: str = "bf16"
-    # Forward without a backward (inference): the states scanned alone and o = qg S + Aqk v_new in a kernel parallel
-    # over chunks, as fla orders it (qg = Q e^Gamma). Split, the scores kernel also writes the gated inputs qg,
-    # kb = diag(beta) K e^Gamma, kd and D while it has the cumulative gates of each key tile, so the outputs kernel is
-    # w = T kb, u = T diag(beta) V and neither it nor o reads g, q or k. The training forward keeps qp (the reverse
-    # scan reads it). Channel-tiled forward only (intra_tile > 0), and K = V when split; unsplit, one kernel per chunk
-    # writes w, kd, u, Aqk and qg (the inverse stays in the program; slower on the H200).
+    # Forward without a backward (inference): the states scanned alone and o = (Q e^Gamma) S + Aqk v_new in a kernel
+    # parallel over chunks, as fla orders it, so the outputs kernel writes w, kd, u only (no qp, ol). The training
+    # forward keeps qp (the reverse scan reads it). Channel-tiled forward only (intra_tile > 0), and K = V when split;
+    # unsplit, one kernel per chunk writes w, kd, u and Aqk (the inverse stays in the program; slower on the H200).
     # 16-bit inputs only (pallas_op.lean_forward: with fp32 ones the output kernel needs too much shared memory).
     output_from_scores: bool = True
     # Warps of the forward's per-chunk score kernel for the unbounded gate (intra_warps: the bounded one's). Its exact
@@ -230,22 +228,8 @@ def _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, cols, *, scale
                    doc_last=blk.element(doc, size - 1))
 
 
-def _write_gated(x, gates, cols, qg_ref, kb_ref, kd_ref, d_ref):
-    """The gated inputs of the key channels `cols` that the inference forward's later kernels read, where their ref
-    is not None: qg = Q e^Gamma and kb = diag(beta) K e^Gamma on the rows that read S0, kd = K e^(g_last - Gamma) on the
-    last document's rows, d = e^g_last (0 if a document starts inside the chunk)."""
-    gated = dict(qg=lambda: jnp.where(x.reads, x.q * jnp.exp(gates.dec.gam), 0.0),
-                 kb=lambda: x.beta * gates.k_base, kd=lambda: x.k * gates.kd_scale)
-    for name, ref in zip(("qg", "kb", "kd"), (qg_ref, kb_ref, kd_ref)):
-        if ref is not None:
-            ref[:, cols] = gated[name]().astype(ref.dtype)
-    if d_ref is not None:
-        d_ref[cols] = gates.carried[0]
-
-
-def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, gated_refs=None):
-    """Aqk, Akk (masked) and T = (I + diag(beta) Akk)^-1 [C, C] of a chunk, summing the scores over key tiles; with
-    gated_refs (qg, kb, kd, d refs or None each), also the gated inputs of each key tile (_write_gated).
+def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile):
+    """Aqk, Akk (masked) and T = (I + diag(beta) Akk)^-1 [C, C] of a chunk, summing the scores over key tiles.
     Unbounded: the exact diagonal blocks in a second pass over the key tiles (pallas_blocks.pairwise_levels), so that
     nothing of the first is live beside them."""
     size, key_dim = q_ref.shape
@@ -254,10 +238,7 @@ def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
 
     def add_scores(j, acc):
         x = tile_input(j)
-        gates = chunk_gates(x)
-        if gated_refs is not None:
-            _write_gated(x, gates, pl.ds(j * tile, tile), *gated_refs)
-        aqk, akk = partial_scores(x, gates.dec, dense=dense, with_diagonal=False)
+        aqk, akk = partial_scores(x, chunk_gates(x).dec, dense=dense, with_diagonal=False)
         return acc[0] + aqk, acc[1] + akk
 
     def add_diagonal(j, acc):
@@ -321,42 +302,34 @@ def _tiled_intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref,
 
 
 @with_precision
-def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref, kd_ref, u_ref, d_ref, aqk_ref,
-                       qg_ref, *, scale, dense, tile):
+def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref, kd_ref, u_ref, d_ref, aqk_ref, *,
+                       scale, dense, tile):
     """The inference forward's per-chunk work in one program (Tuning.output_from_scores without split_intra): the
-    scores and the solve, then only what the state scan and o read: w, kd, D per key tile, u per value tile, Aqk
-    and qg. The inverse never leaves the program, and the second pass re-reads the chunk's tiles while they are
-    cached."""
+    scores and the solve, then only what the state scan and o read: w, kd, D per key tile, u per value tile, Aqk.
+    The inverse never leaves the program, and the second pass re-reads the chunk's tiles while they are cached."""
     inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
-    aqk, _, t = _solved_scores(*inputs, scale=scale, dense=dense, tile=tile, gated_refs=(qg_ref, None, None, None))
+    aqk, _, t = _solved_scores(*inputs, scale=scale, dense=dense, tile=tile)
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
     _write_output_tiles(inputs, v_ref, None, t, (w_ref, None, kd_ref, d_ref), (u_ref, None), scale=scale, tile=tile)
 
 
 @with_precision
 def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile):
-    """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve, and the gated inputs of
-    its key tiles (_write_gated), so that the later kernels read neither the gates nor q and k. out_refs: Aqk, Akk, T
-    (Akk is kept for the backward only; the inference forward has no Akk ref), then qg, kb, kd, d."""
-    squares, gated_refs = out_refs[:-4], out_refs[-4:]
+    """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve. out_refs: Aqk, Akk, T
+    (Akk is kept for the backward only), or Aqk, T."""
     aqk, akk, t = _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense,
-                                 tile=tile, gated_refs=gated_refs)
-    for ref, value in zip(squares, (aqk, akk, t) if len(squares) == 3 else (aqk, t)):
+                                 tile=tile)
+    for ref, value in zip(out_refs, (aqk, akk, t) if len(out_refs) == 3 else (aqk, t)):
         ref[...] = value.astype(ref.dtype)
 
 
-def _write_key_products(kb_ref, qg_ref, aqk, t, w_ref, qp_ref):
-    """w = T kb and (qp_ref not None) qp = qg - Aqk w for a tile of key channels."""
-    w = blk.mm(t, kb_ref[...].astype(_F32))
-    w_ref[...] = w.astype(w_ref.dtype)
-    if qp_ref is not None:
-        qp_ref[...] = (qg_ref[...].astype(_F32) - blk.mm(aqk, w)).astype(qp_ref.dtype)
-
-
 @with_precision
-def _key_output_kernel(qg_ref, kb_ref, aqk_ref, t_ref, w_ref, qp_ref):
-    """Split forward, part 2 (grid chunks x value heads x key tiles): w and qp of one key tile."""
-    _write_key_products(kb_ref, qg_ref, aqk_ref[...].astype(_F32), t_ref[...].astype(_F32), w_ref, qp_ref)
+def _key_output_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, t_ref, w_ref, qp_ref, kd_ref, d_ref,
+                       *, scale):
+    """Split forward, part 2 (grid chunks x value heads x key tiles): w, qp, kd and D of one key tile."""
+    inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
+    _write_key_tile(inputs, slice(None), aqk_ref[...].astype(_F32), t_ref[...].astype(_F32), w_ref, qp_ref, kd_ref,
+                    d_ref, scale=scale)
 
 
 @with_precision
@@ -367,20 +340,23 @@ def _value_output_kernel(v_ref, beta_ref, aqk_ref, t_ref, u_ref, ol_ref):
 
 
 @with_precision
-def _tile_outputs_kernel(qg_ref, kb_ref, v_ref, beta_ref, aqk_ref, t_ref, w_ref, qp_ref, u_ref, ol_ref):
+def _tile_outputs_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, t_ref, w_ref, qp_ref, kd_ref,
+                         d_ref, u_ref, ol_ref, *, scale):
     """Split forward, parts 2 and 3 in one program (grid chunks x value heads x channel tiles, K = V): key tile j's
-    w, qp and value tile j's u, ol, reading the chunk's scores and inverse once for both."""
+    w, qp, kd, D and value tile j's u, ol, reading the chunk's scores and inverse once for both."""
+    inputs = (q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)
     aqk, t = aqk_ref[...].astype(_F32), t_ref[...].astype(_F32)
-    _write_key_products(kb_ref, qg_ref, aqk, t, w_ref, qp_ref)
+    _write_key_tile(inputs, slice(None), aqk, t, w_ref, qp_ref, kd_ref, d_ref, scale=scale)
     _write_value_tile(v_ref, beta_ref, slice(None), aqk, t, u_ref, ol_ref)
 
 
 @with_precision
-def _lean_outputs_kernel(kb_ref, v_ref, beta_ref, t_ref, w_ref, u_ref):
-    """Inference forward, part 2 (grid chunks x value heads x channel tiles, K = V): w = T kb for key tile j and
-    u = T diag(beta) V for value tile j: what the state scan reads, nothing for o."""
+def _lean_outputs_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, t_ref, w_ref, kd_ref, d_ref, u_ref):
+    """Inference forward, parts 2 and 3 (grid chunks x value heads x channel tiles, K = V): what the state scan reads
+    and nothing for o: key tile j's w, kd, D and value tile j's u."""
     t = t_ref[...].astype(_F32)
-    _write_key_products(kb_ref, None, None, t, w_ref, None)
+    inputs = (k_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref)  # no q: k stands in for it, unread
+    _write_key_tile(inputs, slice(None), None, t, w_ref, None, kd_ref, d_ref, scale=1.0)
     _write_value_tile(v_ref, beta_ref, slice(None), None, t, u_ref, None)
 
 
@@ -403,46 +379,71 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     specs = input_specs(chunk, key_dim, value_dim, group)
     square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), score_dtype(precision))
     lean = lean and key_dim == value_dim
-    squares = 2 if lean else 3  # Aqk, (Akk,) T
-    gated = jax.ShapeDtypeStruct((chunks, value_heads, chunk, key_dim), store_dtype)
-    outs = pl.pallas_call(
+    scores = pl.pallas_call(
         functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]],
-        out_specs=[chunk_tile(chunk, chunk)] * squares + [chunk_tile(chunk, key_dim)] * 3 + [chunk_vector(key_dim)],
-        out_shape=[square] * squares + [gated] * 3 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)],
+        out_specs=[chunk_tile(chunk, chunk)] * (2 if lean else 3),
+        out_shape=[square] * (2 if lean else 3),
         compiler_params=compiler_params(tuning.intra_warps if dense else tuning.pairwise_warps),
         interpret=interpret,
         name="kda_scores_fwd",
     )(q, k, g, beta, doc, doc_prev)
-    (aqk, akk, t), (qg, kb, kd, d) = (outs[:3] if squares == 3 else (outs[0], None, outs[1])), outs[squares:]
+    (aqk, t), akk = (scores, None) if lean else (scores[0::2], scores[1])
     tile = output_tile(tuning, key_dim, value_dim)
+    qk = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h // group, j))
     per_head = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h, j))
     rows = pl.BlockSpec((None, chunk, None), lambda n, h, j: (n, 0, h))
+    doc_spec = pl.BlockSpec((None, chunk), lambda n, h, j: (n, 0))
     scores = pl.BlockSpec((None, None, chunk, chunk), lambda n, h, j: (n, h, 0, 0))
     out_tile = pl.BlockSpec((None, None, chunk, tile), lambda n, h, j: (n, h, 0, j))
     shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), store_dtype)  # noqa: E731
-    call = lambda kernel, name, grid_dim, in_specs, count, dim: pl.pallas_call(  # noqa: E731
-        functools.partial(kernel, precision=precision),
-        grid=(chunks, value_heads, grid_dim // tile),
-        in_specs=in_specs,
-        out_specs=[out_tile] * count,
-        out_shape=[shape(dim)] * count,
+    key_shapes = [shape(key_dim)] * 3 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)]
+    key_specs = [out_tile] * 3 + [pl.BlockSpec((None, None, tile), lambda n, h, j: (n, h, j))]
+    if lean:
+        w, kd, d, u = pl.pallas_call(
+            functools.partial(_lean_outputs_kernel, precision=precision),
+            grid=(chunks, value_heads, key_dim // tile),
+            in_specs=[qk, per_head, per_head, rows, doc_spec, doc_spec, scores],
+            out_specs=[out_tile] * 2 + [key_specs[3], out_tile],
+            out_shape=[shape(key_dim)] * 2 + [key_shapes[3], shape(value_dim)],
+            compiler_params=compiler_params(tuning.output_warps),
+            interpret=interpret,
+            name="kda_lean_outputs_fwd",
+        )(k, v, g, beta, doc, doc_prev, t)
+        return w, None, kd, u, None, d, aqk
+    if key_dim == value_dim:
+        w, qp, kd, d, u, ol = pl.pallas_call(
+            functools.partial(_tile_outputs_kernel, scale=scale, precision=precision),
+            grid=(chunks, value_heads, key_dim // tile),
+            in_specs=[qk, qk, per_head, per_head, rows, doc_spec, doc_spec, scores, scores],
+            out_specs=key_specs + [out_tile] * 2,
+            out_shape=key_shapes + [shape(value_dim)] * 2,
+            compiler_params=compiler_params(tuning.output_warps),
+            interpret=interpret,
+            name="kda_outputs_fwd",
+        )(q, k, v, g, beta, doc, doc_prev, aqk, t)
+        return (w, qp, kd, u, ol, d) + ((aqk, akk, t) if save_scores else ())
+    w, qp, kd, d = pl.pallas_call(
+        functools.partial(_key_output_kernel, scale=scale, precision=precision),
+        grid=(chunks, value_heads, key_dim // tile),
+        in_specs=[qk, qk, per_head, rows, doc_spec, doc_spec, scores, scores],
+        out_specs=key_specs,
+        out_shape=key_shapes,
         compiler_params=compiler_params(tuning.output_warps),
         interpret=interpret,
-        name=name)
-    if lean:
-        w, u = call(_lean_outputs_kernel, "kda_lean_outputs_fwd", key_dim, [out_tile, per_head, rows, scores], 2,
-                    key_dim)(kb, v, beta, t)
-        return w, None, kd, u, None, d, aqk, qg
-    if key_dim == value_dim:
-        w, qp, u, ol = call(_tile_outputs_kernel, "kda_outputs_fwd", key_dim,
-                            [out_tile, out_tile, per_head, rows, scores, scores], 4, key_dim)(qg, kb, v, beta, aqk, t)
-    else:
-        w, qp = call(_key_output_kernel, "kda_key_out_fwd", key_dim, [out_tile] * 2 + [scores] * 2, 2,
-                     key_dim)(qg, kb, aqk, t)
-        u, ol = call(_value_output_kernel, "kda_value_out_fwd", value_dim, [per_head, rows, scores, scores], 2,
-                     value_dim)(v, beta, aqk, t)
+        name="kda_key_out_fwd",
+    )(q, k, g, beta, doc, doc_prev, aqk, t)
+    u, ol = pl.pallas_call(
+        functools.partial(_value_output_kernel, precision=precision),
+        grid=(chunks, value_heads, value_dim // tile),
+        in_specs=[per_head, rows, scores, scores],
+        out_specs=[out_tile] * 2,
+        out_shape=[shape(value_dim)] * 2,
+        compiler_params=compiler_params(tuning.output_warps),
+        interpret=interpret,
+        name="kda_value_out_fwd",
+    )(v, beta, aqk, t)
     return (w, qp, kd, u, ol, d) + ((aqk, akk, t) if save_scores else ())
 
 
@@ -469,8 +470,7 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
                   save_scores, lean=False):
     """Per-chunk quantities. q, k: [BN, C, H, K]; v: [BN, C, HV, V]; g: [BN, C, HV, K]; beta: [BN, C, HV];
     doc, doc_prev: [BN, C] int32. Returns w, qp, kd: [BN, HV, C, K]; u, ol: [BN, HV, C, V] (store_dtype); d:
-    [BN, HV, K] fp32; and if save_scores Aqk, Akk, T = (I + L)^-1: [BN, HV, C, C] fp32. lean (the inference forward,
-    Tuning.output_from_scores): qp and ol are None, and Aqk [BN, HV, C, C] and qg = Q e^Gamma [BN, HV, C, K] follow.
+    [BN, HV, K] fp32; and if save_scores Aqk, Akk, T = (I + L)^-1: [BN, HV, C, C] fp32.
     """
     chunks, chunk, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
@@ -484,20 +484,20 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
                                     save_scores=save_scores, lean=lean)
     precision = intra_precision(tuning, precision, q.dtype)
     if tiled and lean:
-        w, kd, u, d, aqk, qg = pl.pallas_call(
+        w, kd, u, d, aqk = pl.pallas_call(
             functools.partial(_tiled_lean_kernel, scale=scale, dense=dense, precision=precision, tile=tile),
             grid=(chunks, value_heads),
             in_specs=input_specs(chunk, key_dim, value_dim, value_heads // heads),
             out_specs=[chunk_tile(chunk, key_dim)] * 2 + [chunk_tile(chunk, value_dim), chunk_vector(key_dim),
-                                                          chunk_tile(chunk, chunk), chunk_tile(chunk, key_dim)],
+                                                          chunk_tile(chunk, chunk)],
             out_shape=[shape(key_dim)] * 2 + [shape(value_dim), jax.ShapeDtypeStruct((chunks, value_heads, key_dim),
                                                                                      _F32),
-                                              shape(chunk, score_dtype(precision)), shape(key_dim)],
+                                              shape(chunk, score_dtype(precision))],
             compiler_params=compiler_params(tuning.intra_warps),
             interpret=interpret,
             name="kda_lean_intra_fwd",
         )(q, k, v, g, beta, doc, doc_prev)
-        return w, None, kd, u, None, d, aqk, qg
+        return w, None, kd, u, None, d, aqk
     if tiled:
         kernel = functools.partial(_tiled_intra_kernel, scale=scale, dense=dense, precision=precision, tile=tile)
     else:

@@ -114,30 +114,36 @@ def _states_scan(w, kd, u, d, initial_state, *, tuning, interpret, precision):
 
 
 @with_precision
-def _scores_output_kernel(qg_ref, aqk_ref, v_new_ref, state_ref, o_ref, *, low):
-    """One (chunk, value head): o = qg S + Aqk v_new, qg = Q e^Gamma on the incoming document's rows (stored by the
-    scores kernel)."""
+def _scores_output_kernel(q_ref, g_ref, doc_ref, prev_ref, aqk_ref, v_new_ref, state_ref, o_ref, *, scale, low):
+    """One (chunk, value head): o = (Q e^Gamma on the incoming document's rows) S + Aqk v_new."""
+    reads = (doc_ref[...] == blk.element(prev_ref[...], 0))[:, None]
+    gam = jnp.cumsum(g_ref[...].astype(_F32), axis=0)
+    qd = jnp.where(reads, q_ref[...].astype(_F32) * scale * jnp.exp(gam), 0.0)
     state = state_ref[...]
-    qg = qg_ref[...]
-    inter = blk.mm(qg.astype(state.dtype), state) if low else blk.mm(qg.astype(_F32), state.astype(_F32))
+    inter = blk.mm(qd.astype(state.dtype), state) if low else blk.mm(qd, state.astype(_F32))
     o_ref[...] = (inter + blk.mm(aqk_ref[...].astype(_F32), v_new_ref[...].astype(_F32))).astype(o_ref.dtype)
 
 
-def scores_output_scan(w, kd, u, d, aqk, qg, initial_state, *, out_dtype, tuning, interpret, precision):
+def scores_output_scan(w, kd, u, d, aqk, q, g, doc, doc_prev, initial_state, *, scale, out_dtype, tuning, interpret,
+                       precision):
     """The inference forward's second half (Tuning.output_from_scores): the states scanned alone, then o from the
-    stored states, v_new, the chunk's Aqk and qg in a kernel parallel over chunks. Returns (o, final state)."""
-    _, _, chunk, key_dim = w.shape
+    stored states, v_new and the chunk's Aqk in a kernel parallel over chunks. Returns (o, final state)."""
+    _, value_heads, chunk, key_dim = w.shape
     value_dim = u.shape[-1]
+    group = value_heads // q.shape[2]
     final, chunk_states, v_new = _states_scan(w, kd, u, d, initial_state, tuning=tuning, interpret=interpret,
                                               precision=precision)
-    kernel = functools.partial(_scores_output_kernel, low=tuning.scan_low_precision,
-                               precision=intra_precision(tuning, precision, u.dtype))
-    in_specs = [pl.BlockSpec((None, None, chunk, key_dim), lambda n, h: (n, h, 0, 0)),
+    kernel = functools.partial(_scores_output_kernel, scale=scale, low=tuning.scan_low_precision,
+                               precision=intra_precision(tuning, precision, q.dtype))
+    in_specs = [pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h // group, 0)),
+                pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h, 0)),
+                pl.BlockSpec((None, chunk), lambda n, h: (n, 0)),
+                pl.BlockSpec((None, chunk), lambda n, h: (n, 0)),
                 pl.BlockSpec((None, None, chunk, chunk), lambda n, h: (n, h, 0, 0)),
                 pl.BlockSpec((None, None, chunk, value_dim), lambda n, h: (n, h, 0, 0)),
                 pl.BlockSpec((None, None, key_dim, value_dim), lambda n, h: (n, h, 0, 0))]
-    o = _per_chunk_output(kernel, in_specs, (qg, aqk, v_new, chunk_states), shape=u.shape, out_dtype=out_dtype,
-                          tuning=tuning, interpret=interpret, name="kda_scores_output_fwd")
+    o = _per_chunk_output(kernel, in_specs, (q, g, doc, doc_prev, aqk, v_new, chunk_states), shape=u.shape,
+                          out_dtype=out_dtype, tuning=tuning, interpret=interpret, name="kda_scores_output_fwd")
     return o, final
 
 
