@@ -68,6 +68,11 @@ class Tuning:
     # The state scans (forward and reverse) with the state carried transposed, S^T [Vt, K]
     # (pallas_scan._states_kernel_transposed, pallas_bwd._state_grad_kernel_transposed).
     scan_transposed: bool = False
+    # Split forward with K = V: the scores kernel also writes the gated inputs of each key tile while it has their
+    # cumulative gates, qg = Q e^Gamma and kb = diag(beta) K e^Gamma on the rows that read S0, kd and D, so that the
+    # outputs kernel is w = T kb, qp = qg - Aqk w, u = T diag(beta) V, ol = Aqk u, and the inference forward's o is
+    # qg S + Aqk v_new: neither reads g, q or k again (benchmarks/notes_kda.md v10; not yet timed).
+    gated_inputs: bool = False
     # Matmul operands of the forward's per-chunk kernels for 16-bit inputs: "tf32" (fp32 tiles), "bf16_scores" (bf16
     # in the decayed-score products only) or "bf16" (every product). fp32
     # accumulation throughout. "bf16" puts o at 0.9-1.0 of its bar (relative RMS 4.4e-3 at K = 128 on the H200,
@@ -228,8 +233,19 @@ def _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, cols, *, scale
                    doc_last=blk.element(doc, size - 1))
 
 
-def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile):
-    """Aqk, Akk (masked) and T = (I + diag(beta) Akk)^-1 [C, C] of a chunk, summing the scores over key tiles.
+def _write_gated(x, gates, cols, qg_ref, kb_ref, kd_ref, d_ref):
+    """The gated inputs of the key channels `cols` (Tuning.gated_inputs): qg = Q e^Gamma and kb = diag(beta) K e^Gamma
+    on the rows that read S0, kd = K e^(g_last - Gamma) on the last document's rows, d = e^g_last (0 if a document
+    starts inside the chunk)."""
+    qg_ref[:, cols] = jnp.where(x.reads, x.q * jnp.exp(gates.dec.gam), 0.0).astype(qg_ref.dtype)
+    kb_ref[:, cols] = (x.beta * gates.k_base).astype(kb_ref.dtype)
+    kd_ref[:, cols] = (x.k * gates.kd_scale).astype(kd_ref.dtype)
+    d_ref[cols] = gates.carried[0]
+
+
+def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, gated_refs=None):
+    """Aqk, Akk (masked) and T = (I + diag(beta) Akk)^-1 [C, C] of a chunk, summing the scores over key tiles; with
+    gated_refs (the qg, kb, kd, d refs), also the gated inputs of each key tile (_write_gated).
     Unbounded: the exact diagonal blocks in a second pass over the key tiles (pallas_blocks.pairwise_levels), so that
     nothing of the first is live beside them."""
     size, key_dim = q_ref.shape
@@ -238,7 +254,10 @@ def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
 
     def add_scores(j, acc):
         x = tile_input(j)
-        aqk, akk = partial_scores(x, chunk_gates(x).dec, dense=dense, with_diagonal=False)
+        gates = chunk_gates(x)
+        if gated_refs:
+            _write_gated(x, gates, pl.ds(j * tile, tile), *gated_refs)
+        aqk, akk = partial_scores(x, gates.dec, dense=dense, with_diagonal=False)
         return acc[0] + aqk, acc[1] + akk
 
     def add_diagonal(j, acc):
@@ -314,12 +333,13 @@ def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, 
 
 
 @with_precision
-def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile):
+def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile, squares, gated):
     """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve. out_refs: Aqk, Akk, T
-    (Akk is kept for the backward only), or Aqk, T."""
+    (squares = 3; Akk is kept for the backward only) or Aqk, T (squares = 2), then with `gated` the qg, kb, kd, d refs
+    of the gated inputs."""
     aqk, akk, t = _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense,
-                                 tile=tile)
-    for ref, value in zip(out_refs, (aqk, akk, t) if len(out_refs) == 3 else (aqk, t)):
+                                 tile=tile, gated_refs=out_refs[squares:] if gated else None)
+    for ref, value in zip(out_refs[:squares], (aqk, akk, t) if squares == 3 else (aqk, t)):
         ref[...] = value.astype(ref.dtype)
 
 
@@ -360,6 +380,32 @@ def _lean_outputs_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, t_ref
     _write_value_tile(v_ref, beta_ref, slice(None), None, t, u_ref, None)
 
 
+def _write_key_products(kb_ref, qg_ref, aqk, t, w_ref, qp_ref):
+    """From the gated inputs: w = T kb and (qp_ref not None) qp = qg - Aqk w for a tile of key channels."""
+    w = blk.mm(t, kb_ref[...].astype(_F32))
+    w_ref[...] = w.astype(w_ref.dtype)
+    if qp_ref is not None:
+        qp_ref[...] = (qg_ref[...].astype(_F32) - blk.mm(aqk, w)).astype(qp_ref.dtype)
+
+
+@with_precision
+def _gated_outputs_kernel(qg_ref, kb_ref, v_ref, beta_ref, aqk_ref, t_ref, w_ref, qp_ref, u_ref, ol_ref):
+    """_tile_outputs_kernel from the gated inputs (Tuning.gated_inputs): key tile j's w, qp and value tile j's u,
+    ol."""
+    aqk, t = aqk_ref[...].astype(_F32), t_ref[...].astype(_F32)
+    _write_key_products(kb_ref, qg_ref, aqk, t, w_ref, qp_ref)
+    _write_value_tile(v_ref, beta_ref, slice(None), aqk, t, u_ref, ol_ref)
+
+
+@with_precision
+def _gated_lean_outputs_kernel(kb_ref, v_ref, beta_ref, t_ref, w_ref, u_ref):
+    """_lean_outputs_kernel from the gated inputs (Tuning.gated_inputs): w = T kb for key tile j and
+    u = T diag(beta) V for value tile j."""
+    t = t_ref[...].astype(_F32)
+    _write_key_products(kb_ref, None, None, t, w_ref, None)
+    _write_value_tile(v_ref, beta_ref, slice(None), None, t, u_ref, None)
+
+
 def output_tile(tuning, key_dim, value_dim):
     """Channels per program of the split forward's output kernels (Tuning.output_tile, 0: intra_tile; at most K, V)."""
     tile = min(tuning.output_tile or tuning.intra_tile, key_dim, value_dim)
@@ -379,17 +425,25 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     specs = input_specs(chunk, key_dim, value_dim, group)
     square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), score_dtype(precision))
     lean = lean and key_dim == value_dim
-    scores = pl.pallas_call(
-        functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile),
+    gated = tuning.gated_inputs and key_dim == value_dim
+    squares = 2 if lean else 3  # Aqk, (Akk,) T
+    out_specs, out_shape = [chunk_tile(chunk, chunk)] * squares, [square] * squares
+    if gated:  # then qg, kb, kd [BN, HV, C, K] and d [BN, HV, K]
+        out_specs += [chunk_tile(chunk, key_dim)] * 3 + [chunk_vector(key_dim)]
+        out_shape += [jax.ShapeDtypeStruct((chunks, value_heads, chunk, key_dim), store_dtype)] * 3 + [
+            jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)]
+    outs = pl.pallas_call(
+        functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
+                          squares=squares, gated=gated),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]],
-        out_specs=[chunk_tile(chunk, chunk)] * (2 if lean else 3),
-        out_shape=[square] * (2 if lean else 3),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params(tuning.intra_warps if dense else tuning.pairwise_warps),
         interpret=interpret,
         name="kda_scores_fwd",
     )(q, k, g, beta, doc, doc_prev)
-    (aqk, t), akk = (scores, None) if lean else (scores[0::2], scores[1])
+    (aqk, t), akk = (outs[:2], None) if lean else (outs[0:3:2], outs[1])
     tile = output_tile(tuning, key_dim, value_dim)
     qk = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h // group, j))
     per_head = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h, j))
@@ -400,6 +454,20 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     shape = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), store_dtype)  # noqa: E731
     key_shapes = [shape(key_dim)] * 3 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)]
     key_specs = [out_tile] * 3 + [pl.BlockSpec((None, None, tile), lambda n, h, j: (n, h, j))]
+    if gated:
+        qg, kb, kd, d = outs[squares:]
+        call = functools.partial(pl.pallas_call, grid=(chunks, value_heads, key_dim // tile),
+                                 compiler_params=compiler_params(tuning.output_warps), interpret=interpret)
+        if lean:
+            w, u = call(functools.partial(_gated_lean_outputs_kernel, precision=precision),
+                        in_specs=[out_tile, per_head, rows, scores], out_specs=[out_tile] * 2,
+                        out_shape=[shape(key_dim)] * 2, name="kda_lean_outputs_fwd")(kb, v, beta, t)
+            return w, None, kd, u, None, d, aqk, qg
+        w, qp, u, ol = call(functools.partial(_gated_outputs_kernel, precision=precision),
+                            in_specs=[out_tile, out_tile, per_head, rows, scores, scores],
+                            out_specs=[out_tile] * 4, out_shape=[shape(key_dim)] * 4,
+                            name="kda_outputs_fwd")(qg, kb, v, beta, aqk, t)
+        return (w, qp, kd, u, ol, d) + ((aqk, akk, t) if save_scores else ())
     if lean:
         w, kd, d, u = pl.pallas_call(
             functools.partial(_lean_outputs_kernel, precision=precision),
@@ -470,7 +538,9 @@ def intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, inte
                   save_scores, lean=False):
     """Per-chunk quantities. q, k: [BN, C, H, K]; v: [BN, C, HV, V]; g: [BN, C, HV, K]; beta: [BN, C, HV];
     doc, doc_prev: [BN, C] int32. Returns w, qp, kd: [BN, HV, C, K]; u, ol: [BN, HV, C, V] (store_dtype); d:
-    [BN, HV, K] fp32; and if save_scores Aqk, Akk, T = (I + L)^-1: [BN, HV, C, C] fp32.
+    [BN, HV, K] fp32; and if save_scores Aqk, Akk, T = (I + L)^-1: [BN, HV, C, C] fp32. lean (the inference forward,
+    Tuning.output_from_scores): qp and ol are None and Aqk follows, then, with Tuning.gated_inputs, qg = Q e^Gamma
+    [BN, HV, C, K].
     """
     chunks, chunk, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]

@@ -80,7 +80,7 @@ def _forward(cfg, q, k, v, g, beta, state, doc, doc_prev, *, save_states):
                                                  store_dtype=store, save_scores=save_states, lean=lean, **kw)
     if qp is None:  # the lean per-chunk outputs ran (no qp, ol): o from the scores
         outs = scores_output_scan(w, kd, u, d, scores[0], q, g, doc, doc_prev, state, scale=cfg.scale,
-                                  out_dtype=v.dtype, **kw)
+                                  out_dtype=v.dtype, qg=scores[1] if len(scores) > 1 else None, **kw)
         return outs, None
     outs = state_scan(w, qp, kd, u, ol, d, state, out_dtype=v.dtype, save_states=save_states, **kw)
     return outs, (w, qp, kd, u, d, *scores)

@@ -124,15 +124,33 @@ def _scores_output_kernel(q_ref, g_ref, doc_ref, prev_ref, aqk_ref, v_new_ref, s
     o_ref[...] = (inter + blk.mm(aqk_ref[...].astype(_F32), v_new_ref[...].astype(_F32))).astype(o_ref.dtype)
 
 
+@with_precision
+def _gated_output_kernel(qg_ref, aqk_ref, v_new_ref, state_ref, o_ref, *, low):
+    """_scores_output_kernel from the scores kernel's qg = Q e^Gamma (Tuning.gated_inputs): o = qg S + Aqk v_new."""
+    state, qg = state_ref[...], qg_ref[...]
+    inter = blk.mm(qg.astype(state.dtype), state) if low else blk.mm(qg.astype(_F32), state.astype(_F32))
+    o_ref[...] = (inter + blk.mm(aqk_ref[...].astype(_F32), v_new_ref[...].astype(_F32))).astype(o_ref.dtype)
+
+
 def scores_output_scan(w, kd, u, d, aqk, q, g, doc, doc_prev, initial_state, *, scale, out_dtype, tuning, interpret,
-                       precision):
+                       precision, qg=None):
     """The inference forward's second half (Tuning.output_from_scores): the states scanned alone, then o from the
-    stored states, v_new and the chunk's Aqk in a kernel parallel over chunks. Returns (o, final state)."""
+    stored states, v_new and the chunk's Aqk in a kernel parallel over chunks (from qg instead of q and g where the
+    scores kernel wrote it, Tuning.gated_inputs). Returns (o, final state)."""
     _, value_heads, chunk, key_dim = w.shape
     value_dim = u.shape[-1]
     group = value_heads // q.shape[2]
     final, chunk_states, v_new = _states_scan(w, kd, u, d, initial_state, tuning=tuning, interpret=interpret,
                                               precision=precision)
+    if qg is not None:
+        tiles = [pl.BlockSpec((None, None, chunk, dim), lambda n, h: (n, h, 0, 0))
+                 for dim in (key_dim, chunk, value_dim)]
+        state_spec = pl.BlockSpec((None, None, key_dim, value_dim), lambda n, h: (n, h, 0, 0))
+        kernel = functools.partial(_gated_output_kernel, low=tuning.scan_low_precision,
+                                   precision=intra_precision(tuning, precision, q.dtype))
+        o = _per_chunk_output(kernel, tiles + [state_spec], (qg, aqk, v_new, chunk_states), shape=u.shape,
+                              out_dtype=out_dtype, tuning=tuning, interpret=interpret, name="kda_scores_output_fwd")
+        return o, final
     kernel = functools.partial(_scores_output_kernel, scale=scale, low=tuning.scan_low_precision,
                                precision=intra_precision(tuning, precision, q.dtype))
     in_specs = [pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h // group, 0)),

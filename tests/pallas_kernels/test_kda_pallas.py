@@ -384,7 +384,9 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
 
 @pytest.mark.parametrize("tuning_text, grads, g_min", [("output_from_scores=1", False, -5.0),
                                                        ("output_from_scores=1,split_intra=0", False, -5.0),
-                                                       ("base", True, None)])
+                                                       ("base", True, None),
+                                                       ("output_from_scores=1,gated_inputs=1", False, None),
+                                                       ("gated_inputs=1,scan_transposed=1", True, -5.0)])
 def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     # Kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a Triton custom
     # call (what fails here would fail on the GPU before compiling). The inference forwards, and the unbounded
@@ -460,3 +462,36 @@ def test_transposed_state_scan_matches_reference(monkeypatch, low):
     ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (2, 150)))
     bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, -5.0, 64, ids, tol=bf16_bars if low else 1e-5)
+
+
+@pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gated_inputs_from_the_scores_kernel_match_reference(monkeypatch, gate, g_min, dtype):
+    # Tuning(gated_inputs=True): the scores kernel writes qg, kb, kd, d; the outputs kernels and the inference
+    # forward's o read them instead of q, k, g. Inference forward (o, state) and training forward with gradients;
+    # GVA, documents inside chunks, an initial state, a padded length.
+    from pallas_kernels.kda import pallas_fwd, pallas_op, pallas_scan
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    monkeypatch.setattr(pallas_op, "lean_forward", lambda tuning, store: tuning.output_from_scores)
+    _interpret_with(monkeypatch, Tuning(intra_tile=8, gated_inputs=True))
+    x = random_inputs(16, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
+                      g_min=-5.0, dtype=dtype)
+    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+
+    def forward(backend):
+        return jax.jit(lambda *a: chunk_kda(*a, initial_state=x["initial_state"], output_final_state=True,
+                                            g_min=g_min, chunk_size=64, backend=backend, segment_ids=ids))
+
+    traced = []
+    for module, name in ((pallas_fwd, "_write_gated"), (pallas_fwd, "_write_key_products"),
+                         (pallas_scan, "_gated_output_kernel")):
+        monkeypatch.setattr(module, name, functools.partial(
+            lambda fn, name, *a, **kw: traced.append(name) or fn(*a, **kw), getattr(module, name), name))
+    jax.make_jaxpr(forward("interpret"))(*args)
+    assert set(traced) == {"_write_gated", "_write_key_products", "_gated_output_kernel"}
+    tol = 1e-5 if dtype == jnp.float32 else 5e-3
+    for name, a, b in zip(("o", "state"), forward("reference")(*args), forward("interpret")(*args)):
+        assert relative_rms_error(np.asarray(a, np.float32), np.asarray(b, np.float32)) < tol, name
+    bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
+    _compare(x, g_min, 64, ids, tol=tol if dtype == jnp.float32 else bf16_bars)
