@@ -345,6 +345,19 @@ def test_output_tile_and_warps_are_checked():
     assert Tuning.from_string("pairwise_warps=4").pairwise_warps == 4
 
 
+def _three_document_forward(x, g_min):
+    """For 150-token inputs: segment ids of three documents (one starting inside a chunk), the arguments, and a
+    function backend -> the jitted forward alone (o, final state; 64-token chunks)."""
+    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+
+    def forward(backend):
+        return jax.jit(lambda *a: chunk_kda(*a, initial_state=x["initial_state"], output_final_state=True,
+                                            g_min=g_min, chunk_size=64, backend=backend, segment_ids=ids))
+
+    return ids, args, forward
+
+
 @pytest.mark.parametrize("gate, g_min, output_tile, split", [("bounded", -5.0, 0, True), ("softplus", None, 0, True),
                                                              ("bounded", -5.0, 16, True),
                                                              ("bounded", -5.0, 0, False), ("softplus", None, 0, False)])
@@ -363,12 +376,7 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
                                         split_intra=split))
     x = random_inputs(12, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
                       g_min=-5.0, dtype=dtype)
-    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
-    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-
-    def forward(backend):
-        return jax.jit(lambda *a: chunk_kda(*a, initial_state=x["initial_state"], output_final_state=True,
-                                            g_min=g_min, chunk_size=64, backend=backend, segment_ids=ids))
+    ids, args, forward = _three_document_forward(x, g_min)
 
     jaxpr = str(jax.make_jaxpr(forward("interpret"))(*args))
     lean = "kda_lean_outputs_fwd" if split else "kda_lean_intra_fwd"
@@ -476,12 +484,7 @@ def test_gated_inputs_from_the_scores_kernel_match_reference(monkeypatch, gate, 
     _interpret_with(monkeypatch, Tuning(intra_tile=8, gated_inputs=True))
     x = random_inputs(16, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
                       g_min=-5.0, dtype=dtype)
-    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
-    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-
-    def forward(backend):
-        return jax.jit(lambda *a: chunk_kda(*a, initial_state=x["initial_state"], output_final_state=True,
-                                            g_min=g_min, chunk_size=64, backend=backend, segment_ids=ids))
+    ids, args, forward = _three_document_forward(x, g_min)
 
     traced = []
     for module, name in ((pallas_fwd, "_write_gated"), (pallas_fwd, "_write_key_products"),
