@@ -70,7 +70,7 @@ def run(backend, x, segment_ids, g_min, cotangents):
 
     (o, state), vjp = jax.vjp(f, *args)
     grads = vjp(tuple(c.astype(a.dtype) for c, a in zip(cotangents, (o, state))))
-    inference = jax.jit(f)(*args)
+    inference = (o, state) if backend == "reference" else jax.jit(f)(*args)  # the oracle has one forward
     return [np.asarray(jnp.asarray(a, jnp.float32)) for a in (o, state, *grads, *inference)]
 
 

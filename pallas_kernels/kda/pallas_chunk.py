@@ -136,6 +136,11 @@ def k_base(x: ChunkIn, gam):
     return jnp.where(x.reads, x.k * jnp.exp(gam), 0.0)
 
 
+def q_base(x: ChunkIn, gam):
+    """[C, K] Q e^gam on rows that read S0 (else 0): what multiplies S0 in o."""
+    return jnp.where(x.reads, x.q * jnp.exp(gam), 0.0)
+
+
 class Core(NamedTuple):
     """What both passes derive first."""
 
@@ -178,7 +183,7 @@ def key_outputs(x: ChunkIn, gates: Gates, aqk, t):
     w = mm(t, x.beta * gates.k_base)
     out = dict(w=w, kd=x.k * gates.kd_scale, d=gates.carried)
     if aqk is not None:
-        out["qp"] = jnp.where(x.reads, x.q * jnp.exp(gates.dec.gam), 0.0) - mm(aqk, w)
+        out["qp"] = q_base(x, gates.dec.gam) - mm(aqk, w)
     return out
 
 

@@ -18,7 +18,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_chunk import (ChunkIn, chunk_core, chunk_forward, chunk_gates, key_outputs, mask_scores,
-                                            partial_scores, unit_lower_inverse, value_outputs)
+                                            partial_scores, q_base, unit_lower_inverse, value_outputs)
 
 _F32 = jnp.float32
 
@@ -237,7 +237,7 @@ def _write_gated(x, gates, cols, qg_ref, kb_ref, kd_ref, d_ref):
     """The gated inputs of the key channels `cols` (Tuning.gated_inputs): qg = Q e^Gamma and kb = diag(beta) K e^Gamma
     on the rows that read S0, kd = K e^(g_last - Gamma) on the last document's rows, d = e^g_last (0 if a document
     starts inside the chunk)."""
-    qg_ref[:, cols] = jnp.where(x.reads, x.q * jnp.exp(gates.dec.gam), 0.0).astype(qg_ref.dtype)
+    qg_ref[:, cols] = q_base(x, gates.dec.gam).astype(qg_ref.dtype)
     kb_ref[:, cols] = (x.beta * gates.k_base).astype(kb_ref.dtype)
     kd_ref[:, cols] = (x.k * gates.kd_scale).astype(kd_ref.dtype)
     d_ref[cols] = gates.carried[0]

@@ -119,16 +119,19 @@ def _scores_output_kernel(q_ref, g_ref, doc_ref, prev_ref, aqk_ref, v_new_ref, s
     reads = (doc_ref[...] == blk.element(prev_ref[...], 0))[:, None]
     gam = jnp.cumsum(g_ref[...].astype(_F32), axis=0)
     qd = jnp.where(reads, q_ref[...].astype(_F32) * scale * jnp.exp(gam), 0.0)
-    state = state_ref[...]
-    inter = blk.mm(qd.astype(state.dtype), state) if low else blk.mm(qd, state.astype(_F32))
-    o_ref[...] = (inter + blk.mm(aqk_ref[...].astype(_F32), v_new_ref[...].astype(_F32))).astype(o_ref.dtype)
+    _write_o_from_scores(qd, aqk_ref, v_new_ref, state_ref, o_ref, low=low)
 
 
 @with_precision
 def _gated_output_kernel(qg_ref, aqk_ref, v_new_ref, state_ref, o_ref, *, low):
     """_scores_output_kernel from the scores kernel's qg = Q e^Gamma (Tuning.gated_inputs): o = qg S + Aqk v_new."""
-    state, qg = state_ref[...], qg_ref[...]
-    inter = blk.mm(qg.astype(state.dtype), state) if low else blk.mm(qg.astype(_F32), state.astype(_F32))
+    _write_o_from_scores(qg_ref[...], aqk_ref, v_new_ref, state_ref, o_ref, low=low)
+
+
+def _write_o_from_scores(qd, aqk_ref, v_new_ref, state_ref, o_ref, *, low):
+    """o = qd S + Aqk v_new, qd = Q e^Gamma on the incoming document's rows (any dtype; low: rounded to the state's)."""
+    state = state_ref[...]
+    inter = blk.mm(qd.astype(state.dtype), state) if low else blk.mm(qd.astype(_F32), state.astype(_F32))
     o_ref[...] = (inter + blk.mm(aqk_ref[...].astype(_F32), v_new_ref[...].astype(_F32))).astype(o_ref.dtype)
 
 
