@@ -51,6 +51,15 @@ def _interpret_with(monkeypatch, tuning):
         jax.jit(kernels, static_argnames=api._KERNEL_STATIC)))
 
 
+def _record_calls(monkeypatch, targets):
+    """Wraps each (module, function name) so that a call appends the name to the returned list, then runs it."""
+    traced = []
+    for module, name in targets:
+        monkeypatch.setattr(module, name, functools.partial(
+            lambda fn, name, *a, **kw: traced.append(name) or fn(*a, **kw), getattr(module, name), name))
+    return traced
+
+
 def _compare(x, g_min, chunk_size, segment_ids, tol, backend="interpret"):
     ref = _run("reference", x, g_min, chunk_size, segment_ids)
     out = _run(backend, x, g_min, chunk_size, segment_ids)
@@ -317,10 +326,7 @@ def test_unbounded_gate_in_the_split_kernels_matches_reference(monkeypatch, dtyp
     # documents inside blocks, an initial state, a padded length. fp32: 1e-5; bf16: the bf16 bars.
     from pallas_kernels.kda import pallas_blocks as blk
     from pallas_kernels.kda.pallas_fwd import Tuning
-    traced = []
-    for name in ("pairwise_levels", "pairwise_levels_grads"):
-        monkeypatch.setattr(blk, name, functools.partial(
-            lambda fn, name, *a: traced.append(name) or fn(*a), getattr(blk, name), name))
+    traced = _record_calls(monkeypatch, [(blk, "pairwise_levels"), (blk, "pairwise_levels_grads")])
     _interpret_with(monkeypatch, Tuning(intra_tile=8, key_tile=8, input_bwd="rows"))
     x = random_inputs(17, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
                       gate="softplus", g_min=None, dtype=dtype)
@@ -463,13 +469,17 @@ def test_key_and_value_widths_may_differ(monkeypatch):
 def test_transposed_state_scan_matches_reference(monkeypatch, low):
     # Tuning(scan_transposed=True): the forward's state scan carries S^T (both scan products take the carried operand
     # on the left); the backward reads the same stored states and v_new. Two batches, documents, GVA, initial state.
+    from pallas_kernels.kda import pallas_bwd, pallas_scan
     from pallas_kernels.kda.pallas_fwd import Tuning
+    traced = _record_calls(monkeypatch, [(pallas_scan, "_states_kernel_transposed"),
+                                         (pallas_bwd, "_state_grad_kernel_transposed")])
     _interpret_with(monkeypatch, Tuning(intra_tile=8, scan_transposed=True, scan_low_precision=low))
     x = random_inputs(15, batch=2, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate="bounded",
                       g_min=-5.0, dtype=jnp.bfloat16 if low else jnp.float32)
     ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (2, 150)))
     bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, -5.0, 64, ids, tol=bf16_bars if low else 1e-5)
+    assert set(traced) == {"_states_kernel_transposed", "_state_grad_kernel_transposed"}
 
 
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
@@ -486,11 +496,8 @@ def test_gated_inputs_from_the_scores_kernel_match_reference(monkeypatch, gate, 
                       g_min=-5.0, dtype=dtype)
     ids, args, forward = _three_document_forward(x, g_min)
 
-    traced = []
-    for module, name in ((pallas_fwd, "_write_gated"), (pallas_fwd, "_write_key_products"),
-                         (pallas_scan, "_gated_output_kernel")):
-        monkeypatch.setattr(module, name, functools.partial(
-            lambda fn, name, *a, **kw: traced.append(name) or fn(*a, **kw), getattr(module, name), name))
+    traced = _record_calls(monkeypatch, [(pallas_fwd, "_write_gated"), (pallas_fwd, "_write_key_products"),
+                                         (pallas_scan, "_gated_output_kernel")])
     jax.make_jaxpr(forward("interpret"))(*args)
     assert set(traced) == {"_write_gated", "_write_key_products", "_gated_output_kernel"}
     tol = 1e-5 if dtype == jnp.float32 else 5e-3
