@@ -186,9 +186,10 @@ def main(argv):
     shape = tuple(int(s) for s in FLAGS.shape.split("x"))
     rows = []
 
-    def save():
+    def save(new):
+        """Prints the tables of the `new` rows and (--out) writes every row so far."""
+        print(markdown(new, shape), flush=True)
         text = markdown(rows, shape)
-        print(text, flush=True)
         if FLAGS.out:
             os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
             with open(FLAGS.out + ".json", "w") as f:
@@ -197,8 +198,9 @@ def main(argv):
                 f.write(text + "\n")
 
     if FLAGS.fla:  # first: its autotuning must not compete with anything
-        rows += run_fla(shape, FLAGS.gates, FLAGS.calls)
-        save()
+        new = run_fla(shape, FLAGS.gates, FLAGS.calls)
+        rows += new
+        save(new)
     for gate in FLAGS.gates:
         for tuning in (FLAGS.tunings or FLAGS.tuning).split(";"):
             for pass_name, fn, args in jax_variants(shape, tuning, gate == "bounded"):
@@ -208,8 +210,9 @@ def main(argv):
                 kernels, busy, span, wall = trace_jax(fn, args, FLAGS.calls)
                 print(f"pallas {gate} {tuning} {pass_name}: busy {busy:.3f} ms, span {span:.3f} ms, wall "
                       f"{wall:.3f} ms ({time.perf_counter() - start:.0f} s with compile)", flush=True)
-                rows += _rows("pallas", tuning, gate, pass_name, kernels, busy, span, wall)
-                save()
+                new = _rows("pallas", tuning, gate, pass_name, kernels, busy, span, wall)
+                rows += new
+                save(new)
 
 
 def _versions():

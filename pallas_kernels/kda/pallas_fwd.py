@@ -24,6 +24,7 @@ _F32 = jnp.float32
 
 
 WARPS = (1, 2, 4, 8, 16)  # warps per program that Triton accepts (a power of two, at most 16)
+GATED_INPUTS = ("bounded", "both", "none")  # Tuning.gated_inputs: for which gates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +72,11 @@ class Tuning:
     # Split forward with K = V: the scores kernel also writes the gated inputs of each key tile while it has their
     # cumulative gates, qg = Q e^Gamma and kb = diag(beta) K e^Gamma on the rows that read S0, kd and D, so that the
     # outputs kernel is w = T kb, qp = qg - Aqk w, u = T diag(beta) V, ol = Aqk u, and the inference forward's o is
-    # qg S + Aqk v_new: neither reads g, q or k again (benchmarks/notes_kda.md v10; not yet timed).
-    gated_inputs: bool = False
+    # qg S + Aqk v_new: neither reads g, q or k again. For which gates: "bounded" (default), "both" or "none". On the
+    # H200 at T = 32768 it takes the bounded forward from 2.81 to 2.60 ms (kernel time); the unbounded gate's score
+    # kernel, already the slowest, grows by more (3.59 -> 4.28 ms) than its output kernels save (benchmarks/notes_kda.md
+    # v11).
+    gated_inputs: str = "bounded"
     # Matmul operands of the forward's per-chunk kernels for 16-bit inputs: "tf32" (fp32 tiles), "bf16_scores" (bf16
     # in the decayed-score products only) or "bf16" (every product). fp32
     # accumulation throughout. "bf16" puts o at 0.9-1.0 of its bar (relative RMS 4.4e-3 at K = 128 on the H200,
@@ -100,6 +104,8 @@ class Tuning:
     input_bwd: str = "auto"
 
     def __post_init__(self):
+        if self.gated_inputs not in GATED_INPUTS:
+            raise ValueError(f"Tuning.gated_inputs must be one of {GATED_INPUTS}, got {self.gated_inputs!r}")
         for field in dataclasses.fields(self):
             warps = getattr(self, field.name)
             if field.name.endswith("_warps") and warps not in WARPS:
@@ -425,7 +431,7 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     specs = input_specs(chunk, key_dim, value_dim, group)
     square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), score_dtype(precision))
     lean = lean and key_dim == value_dim
-    gated = tuning.gated_inputs and key_dim == value_dim
+    gated = key_dim == value_dim and tuning.gated_inputs in (("bounded", "both") if dense else ("both",))
     squares = 2 if lean else 3  # Aqk, (Akk,) T
     out_specs, out_shape = [chunk_tile(chunk, chunk)] * squares, [square] * squares
     if gated:  # then qg, kb, kd [BN, HV, C, K] and d [BN, HV, K]

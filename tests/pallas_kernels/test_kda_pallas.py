@@ -399,8 +399,9 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
 @pytest.mark.parametrize("tuning_text, grads, g_min", [("output_from_scores=1", False, -5.0),
                                                        ("output_from_scores=1,split_intra=0", False, -5.0),
                                                        ("base", True, None),
-                                                       ("output_from_scores=1,gated_inputs=1", False, None),
-                                                       ("gated_inputs=1,scan_transposed=1", True, -5.0)])
+                                                       ("output_from_scores=1,gated_inputs=both", False, None),
+                                                       ("gated_inputs=none", True, -5.0),
+                                                       ("scan_transposed=1", True, -5.0)])
 def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     # Kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a Triton custom
     # call (what fails here would fail on the GPU before compiling). The inference forwards, and the unbounded
@@ -485,13 +486,13 @@ def test_transposed_state_scan_matches_reference(monkeypatch, low):
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gated_inputs_from_the_scores_kernel_match_reference(monkeypatch, gate, g_min, dtype):
-    # Tuning(gated_inputs=True): the scores kernel writes qg, kb, kd, d; the outputs kernels and the inference
+    # Tuning(gated_inputs="both"): the scores kernel writes qg, kb, kd, d; the outputs kernels and the inference
     # forward's o read them instead of q, k, g. Inference forward (o, state) and training forward with gradients;
     # GVA, documents inside chunks, an initial state, a padded length.
     from pallas_kernels.kda import pallas_fwd, pallas_op, pallas_scan
     from pallas_kernels.kda.pallas_fwd import Tuning
     monkeypatch.setattr(pallas_op, "lean_forward", lambda tuning, store: tuning.output_from_scores)
-    _interpret_with(monkeypatch, Tuning(intra_tile=8, gated_inputs=True))
+    _interpret_with(monkeypatch, Tuning(intra_tile=8, gated_inputs="both"))
     x = random_inputs(16, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
                       g_min=-5.0, dtype=dtype)
     ids, args, forward = _three_document_forward(x, g_min)
@@ -505,3 +506,29 @@ def test_gated_inputs_from_the_scores_kernel_match_reference(monkeypatch, gate, 
         assert relative_rms_error(np.asarray(a, np.float32), np.asarray(b, np.float32)) < tol, name
     bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, g_min, 64, ids, tol=tol if dtype == jnp.float32 else bf16_bars)
+
+
+@pytest.mark.parametrize("choice, gated_gates", [("bounded", {"bounded"}), ("both", {"bounded", "softplus"}),
+                                                 ("none", set())])
+def test_gated_inputs_choice_picks_the_gates(monkeypatch, choice, gated_gates):
+    # Tuning.gated_inputs names the gates whose scores kernel writes the gated inputs (default: the bounded one).
+    from pallas_kernels.kda import pallas_fwd, pallas_op
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    monkeypatch.setattr(pallas_op, "lean_forward", lambda tuning, store: tuning.output_from_scores)
+    _interpret_with(monkeypatch, Tuning(intra_tile=8, gated_inputs=choice))
+    gated = set()
+    for gate, g_min in (("bounded", -5.0), ("softplus", None)):
+        x = random_inputs(0, batch=1, seq_len=150, heads=1, value_heads=1, key_dim=16, value_dim=16, gate=gate,
+                          g_min=-5.0, dtype=jnp.bfloat16)
+        _, args, forward = _three_document_forward(x, g_min)
+        traced = _record_calls(monkeypatch, [(pallas_fwd, "_write_gated")])
+        jax.make_jaxpr(forward("interpret"))(*args)
+        if traced:
+            gated.add(gate)
+    assert gated == gated_gates
+
+
+def test_gated_inputs_choice_is_checked():
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    with pytest.raises(ValueError, match="gated_inputs must be one of"):
+        Tuning(gated_inputs="yes")
