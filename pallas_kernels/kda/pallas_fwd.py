@@ -229,14 +229,19 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, w_ref
         ref[...] = value
 
 
-def _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, cols, *, scale):
-    """A ChunkIn of the key channels `cols` of a chunk's input tiles (no v)."""
-    size = q_ref.shape[0]
+def _chunk_rows(beta_ref, doc_ref, prev_ref):
+    """What every key tile of a chunk shares: beta [C, 1], doc [C], the incoming state's and the last token's
+    documents (loaded once per program, not once per tile)."""
     doc = doc_ref[...]
+    return beta_ref[...].astype(_F32)[:, None], doc, blk.element(prev_ref[...], 0), blk.element(doc, doc.shape[0] - 1)
+
+
+def _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, cols, *, scale, rows=None):
+    """A ChunkIn of the key channels `cols` of a chunk's input tiles (no v); rows: _chunk_rows, if already loaded."""
+    beta, doc, doc_in, doc_last = rows or _chunk_rows(beta_ref, doc_ref, prev_ref)
     load = lambda ref: ref[:, cols].astype(_F32)  # noqa: E731
-    return ChunkIn(q=load(q_ref) * scale, k=load(k_ref), v=None, g=load(g_ref),
-                   beta=beta_ref[...].astype(_F32)[:, None], doc=doc, doc_in=blk.element(prev_ref[...], 0),
-                   doc_last=blk.element(doc, size - 1))
+    return ChunkIn(q=load(q_ref) * scale, k=load(k_ref), v=None, g=load(g_ref), beta=beta, doc=doc, doc_in=doc_in,
+                   doc_last=doc_last)
 
 
 def _write_gated(x, gates, cols, qg_ref, kb_ref, kd_ref, d_ref):
@@ -255,11 +260,12 @@ def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
     Unbounded: the exact diagonal blocks in a second pass over the key tiles (pallas_blocks.pairwise_levels), so that
     nothing of the first is live beside them."""
     size, key_dim = q_ref.shape
-    tile_input = lambda j: _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref,  # noqa: E731
-                                       pl.ds(j * tile, tile), scale=scale)
+    rows = _chunk_rows(beta_ref, doc_ref, prev_ref)
+    tile_input = lambda j, rows=None: _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref,  # noqa: E731
+                                                  pl.ds(j * tile, tile), scale=scale, rows=rows)
 
     def add_scores(j, acc):
-        x = tile_input(j)
+        x = tile_input(j, rows)
         gates = chunk_gates(x)
         if gated_refs:
             _write_gated(x, gates, pl.ds(j * tile, tile), *gated_refs)
@@ -275,7 +281,7 @@ def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
     aqk, akk = lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros))
     if not dense:
         aqk, akk = lax.fori_loop(0, key_dim // tile, add_diagonal, (aqk, akk))
-    aqk, akk = mask_scores(doc_ref[...], aqk, akk)
+    aqk, akk = mask_scores(doc_ref[...], aqk, akk)  # loaded again: nothing of the first pass lives through the second
     return aqk, akk, unit_lower_inverse(beta_ref[...].astype(_F32)[:, None] * akk)
 
 
