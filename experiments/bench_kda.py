@@ -38,6 +38,8 @@ flags.DEFINE_string("tuning", "base", "Launch tuning of the Pallas variants: 'ba
                     "pallas_fwd.Tuning) or 'field=value,...' changes to them.")
 flags.DEFINE_string("tunings", "", "Several launch tunings separated by ';' (each as --tuning): every Pallas "
                     "variant is timed with each. Overrides --tuning when set.")
+flags.DEFINE_list("tuned", [], "Pallas variants that run every --tunings entry (empty: all of them); the other "
+                  "Pallas variants run the first entry only.")
 flags.DEFINE_bool("fla_first", False, "Run the fla child before the JAX variants.")
 flags.DEFINE_float("deadline_s", 0.0, "Start no new JAX measurement after this many seconds (0: no deadline).")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_<card>.json / .md are written (card: h200, h100...).")
@@ -386,7 +388,8 @@ def main(argv):
         for variant in FLAGS.variants:
             if variant.startswith("fla"):
                 continue
-            for name, tuning in (tunings if variant.startswith("pallas") else [("-", None)]):
+            variant_tunings = tunings if not FLAGS.tuned or variant in FLAGS.tuned else tunings[:1]
+            for name, tuning in (variant_tunings if variant.startswith("pallas") else [("-", None)]):
                 if FLAGS.deadline_s and time.perf_counter() - start > FLAGS.deadline_s:
                     print(f"deadline: {variant} {name} {shape} not run", flush=True)
                     continue
