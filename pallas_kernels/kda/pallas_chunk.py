@@ -89,19 +89,39 @@ def masks(doc, doc_row=None):
     return same & (r >= c), same & (r > c)
 
 
-def partial_scores(x: ChunkIn, dec: Decay, *, dense, with_diagonal=True):
+def _interleave(tiles):
+    """[R, D] tiles (a power-of-two count) -> one [R, D * count] tile holding all of them, interleaved along the last
+    axis by pairwise stacks (what Pallas' Triton lowering supports). Two operands built alike contract as the sum of
+    the tiles' contractions: a contraction does not depend on the order of its axis."""
+    while len(tiles) > 1:
+        tiles = [jnp.stack(pair, axis=-1).reshape(pair[0].shape[0], -1) for pair in zip(tiles[::2], tiles[1::2])]
+    return tiles[0]
+
+
+def partial_scores(x: ChunkIn, dec: Decay, *, dense, with_diagonal=True, fused=False):
     """Decayed scores summed over the key channels of x only, unmasked: (Aqk, Akk) [C, C]. Summing the results of
     key-channel tiles gives the whole products (every factor is elementwise in the key channel). Pairwise path with
-    with_diagonal=False: the diagonal blocks are left out (pallas_blocks.pairwise_levels adds them)."""
+    with_diagonal=False: the diagonal blocks are left out (pallas_blocks.pairwise_levels adds them).
+
+    fused: row block i's rows are selected in the left operand (the other rows zeroed) and the row blocks' operands
+    are laid side by side along the contracted axis, so that each score is one product with a 4x longer contraction
+    instead of one masked [C, C] product per row block (each held in registers until it is masked and added)."""
     size = x.q.shape[0]
     qt, kt = x.q * dec.row_factor, x.k * dec.row_factor
-    aqk = akk = jnp.zeros((size, size), _F32)
+    blocks = column_blocks(dec, dense=dense)
     with score_products():
-        for i, col_factor in column_blocks(dec, dense=dense):
-            kc = x.k * col_factor
-            on_block = dec.row_block == i
-            aqk = aqk + jnp.where(on_block, mm_nt(qt, kc), 0.0)
-            akk = akk + jnp.where(on_block, mm_nt(kt, kc), 0.0)
+        if fused:
+            pad = [jnp.zeros_like(x.k)] * (size // ROWS - len(blocks))  # unbounded: no block 0 (a power-of-two count)
+            on_block = [dec.row_block == i for i, _ in blocks]
+            kc = _interleave(pad + [x.k * col_factor for _, col_factor in blocks])
+            aqk, akk = (mm_nt(_interleave(pad + [jnp.where(m, t, 0.0) for m in on_block]), kc) for t in (qt, kt))
+        else:
+            aqk = akk = jnp.zeros((size, size), _F32)
+            for i, col_factor in blocks:
+                kc = x.k * col_factor
+                on_block = dec.row_block == i
+                aqk = aqk + jnp.where(on_block, mm_nt(qt, kc), 0.0)
+                akk = akk + jnp.where(on_block, mm_nt(kt, kc), 0.0)
     if not dense and with_diagonal:
         diag_qk, diag_kk = pairwise_levels((x.q, x.k), x.k, dec.gam)
         aqk, akk = aqk + diag_qk, akk + diag_kk

@@ -77,6 +77,12 @@ class Tuning:
     # kernel, already the slowest, grows by more (3.59 -> 4.28 ms) than its output kernels save (benchmarks/notes_kda.md
     # v11).
     gated_inputs: str = "bounded"
+    # The split forward's scores kernel with each score as one product per key tile: row block i's rows selected in
+    # the left operand and the row blocks' operands side by side along the contraction (pallas_chunk.partial_scores),
+    # instead of one masked [C, C] product per row block, each held in registers until it is masked and added; and
+    # the scores stored before the solve. In the local sm_90a compile (bounded, 4 warps) the kernel's spills go from
+    # 232-274 B to none (249 registers). Not yet timed, so off (benchmarks/notes_kda.md v11).
+    fused_scores: bool = False
     # Matmul operands of the forward's per-chunk kernels for 16-bit inputs: "tf32" (fp32 tiles), "bf16_scores" (bf16
     # in the decayed-score products only) or "bf16" (every product). fp32
     # accumulation throughout. "bf16" puts o at 0.9-1.0 of its bar (relative RMS 4.4e-3 at K = 128 on the H200,
@@ -254,9 +260,10 @@ def _write_gated(x, gates, cols, qg_ref, kb_ref, kd_ref, d_ref):
     d_ref[cols] = gates.carried[0]
 
 
-def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, gated_refs=None):
-    """Aqk, Akk (masked) and T = (I + diag(beta) Akk)^-1 [C, C] of a chunk, summing the scores over key tiles; with
-    gated_refs (the qg, kb, kd, d refs), also the gated inputs of each key tile (_write_gated).
+def _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, gated_refs=None,
+                   fused=False):
+    """Aqk, Akk (masked) [C, C] of a chunk, summing the scores over key tiles; with gated_refs (the qg, kb, kd, d
+    refs), also the gated inputs of each key tile (_write_gated); fused: pallas_chunk.partial_scores(fused=True).
     Unbounded: the exact diagonal blocks in a second pass over the key tiles (pallas_blocks.pairwise_levels), so that
     nothing of the first is live beside them."""
     size, key_dim = q_ref.shape
@@ -269,7 +276,7 @@ def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
         gates = chunk_gates(x)
         if gated_refs:
             _write_gated(x, gates, pl.ds(j * tile, tile), *gated_refs)
-        aqk, akk = partial_scores(x, gates.dec, dense=dense, with_diagonal=False)
+        aqk, akk = partial_scores(x, gates.dec, dense=dense, with_diagonal=False, fused=fused)
         return acc[0] + aqk, acc[1] + akk
 
     def add_diagonal(j, acc):
@@ -281,8 +288,18 @@ def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
     aqk, akk = lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros))
     if not dense:
         aqk, akk = lax.fori_loop(0, key_dim // tile, add_diagonal, (aqk, akk))
-    aqk, akk = mask_scores(doc_ref[...], aqk, akk)  # loaded again: nothing of the first pass lives through the second
-    return aqk, akk, unit_lower_inverse(beta_ref[...].astype(_F32)[:, None] * akk)
+    return mask_scores(doc_ref[...], aqk, akk)  # loaded again: nothing of the first pass lives through the second
+
+
+def _solve(beta_ref, akk):
+    """T = (I + diag(beta) Akk)^-1 [C, C]."""
+    return unit_lower_inverse(beta_ref[...].astype(_F32)[:, None] * akk)
+
+
+def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, **kw):
+    """Aqk, Akk (_masked_scores) and T = (I + diag(beta) Akk)^-1 [C, C]."""
+    aqk, akk = _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, **kw)
+    return aqk, akk, _solve(beta_ref, akk)
 
 
 def _write_key_tile(inputs, cols, aqk, t, w_ref, qp_ref, kd_ref, d_ref, *, scale):
@@ -345,14 +362,23 @@ def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, 
 
 
 @with_precision
-def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile, squares, gated):
+def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile, squares, gated,
+                  fused):
     """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve. out_refs: Aqk, Akk, T
     (squares = 3; Akk is kept for the backward only) or Aqk, T (squares = 2), then with `gated` the qg, kb, kd, d refs
-    of the gated inputs."""
-    aqk, akk, t = _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense,
-                                 tile=tile, gated_refs=out_refs[squares:] if gated else None)
-    for ref, value in zip(out_refs[:squares], (aqk, akk, t) if squares == 3 else (aqk, t)):
-        ref[...] = value.astype(ref.dtype)
+    of the gated inputs. fused (Tuning.fused_scores): each score one product per key tile, and the scores stored
+    before the solve, so that their registers are free during it."""
+    aqk, akk = _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense, tile=tile,
+                              gated_refs=out_refs[squares:] if gated else None, fused=fused)
+    scores, t_ref = out_refs[:squares - 1], out_refs[squares - 1]
+    if fused:
+        for ref, value in zip(scores, (aqk, akk)):
+            ref[...] = value.astype(ref.dtype)
+    t = _solve(beta_ref, akk)
+    if not fused:
+        for ref, value in zip(scores, (aqk, akk)):
+            ref[...] = value.astype(ref.dtype)
+    t_ref[...] = t.astype(t_ref.dtype)
 
 
 @with_precision
@@ -446,6 +472,7 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
             jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)]
     outs = pl.pallas_call(
         functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
+                          fused=tuning.fused_scores,
                           squares=squares, gated=gated),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]],

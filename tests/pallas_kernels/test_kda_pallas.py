@@ -401,7 +401,9 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
                                                        ("base", True, None),
                                                        ("output_from_scores=1,gated_inputs=both", False, None),
                                                        ("gated_inputs=none", True, -5.0),
-                                                       ("scan_transposed=1", True, -5.0)])
+                                                       ("scan_transposed=1", True, -5.0),
+                                                       ("fused_scores=1", True, -5.0),
+                                                       ("fused_scores=1,output_from_scores=1", False, None)])
 def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     # Kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a Triton custom
     # call (what fails here would fail on the GPU before compiling). The inference forwards, and the unbounded
@@ -532,3 +534,37 @@ def test_gated_inputs_choice_is_checked():
     from pallas_kernels.kda.pallas_fwd import Tuning
     with pytest.raises(ValueError, match="gated_inputs must be one of"):
         Tuning(gated_inputs="yes")
+
+
+@pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_scores_match_reference(monkeypatch, gate, g_min, dtype):
+    # Tuning(fused_scores=True): each score one product per key tile (the row blocks' operands interleaved along the
+    # contraction) and the scores stored before the solve. Inference forward and training forward with gradients;
+    # GVA, documents inside chunks, an initial state, a padded length.
+    from pallas_kernels.kda import pallas_chunk, pallas_op
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    monkeypatch.setattr(pallas_op, "lean_forward", lambda tuning, store: tuning.output_from_scores)
+    _interpret_with(monkeypatch, Tuning(intra_tile=8, fused_scores=True))
+    x = random_inputs(17, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16, gate=gate,
+                      g_min=-5.0, dtype=dtype)
+    ids, args, forward = _three_document_forward(x, g_min)
+
+    traced = _record_calls(monkeypatch, [(pallas_chunk, "_interleave")])
+    jax.make_jaxpr(forward("interpret"))(*args)
+    assert traced  # the fused products ran
+    tol = 1e-5 if dtype == jnp.float32 else 5e-3
+    for name, a, b in zip(("o", "state"), forward("reference")(*args), forward("interpret")(*args)):
+        assert relative_rms_error(np.asarray(a, np.float32), np.asarray(b, np.float32)) < tol, name
+    bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
+    _compare(x, g_min, 64, ids, tol=tol if dtype == jnp.float32 else bf16_bars)
+
+
+def test_interleave_contracts_as_the_sum_of_its_tiles():
+    from pallas_kernels.kda.pallas_chunk import _interleave
+    rng = np.random.default_rng(0)
+    a = [jnp.asarray(rng.normal(size=(8, 4)), jnp.float32) for _ in range(4)]
+    b = [jnp.asarray(rng.normal(size=(6, 4)), jnp.float32) for _ in range(4)]
+    fused = _interleave(a) @ _interleave(b).T
+    assert _interleave(a).shape == (8, 16)
+    np.testing.assert_allclose(np.asarray(fused), sum(np.asarray(x @ y.T) for x, y in zip(a, b)), rtol=1e-5, atol=1e-5)
