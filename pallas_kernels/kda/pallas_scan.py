@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kda import mosaic_scan
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_fwd import (compiler_params, intra_precision, operand_cast, scan_load, scan_params,
                                            with_precision)
@@ -93,6 +94,8 @@ def _output_kernel(qp_ref, ol_ref, state_ref, o_ref, *, low):
 
 def _states_scan(w, kd, u, d, initial_state, *, tuning, interpret, precision):
     """The states alone: (final state, every chunk's incoming state, v_new)."""
+    if tuning.mosaic_scan and tuning.scan_low_precision and mosaic_scan.supported(w, kd, u):
+        return mosaic_scan.states_scan(w, kd, u, d, initial_state, interpret=interpret)
     chunks, value_heads, chunk, key_dim = w.shape
     value_dim = u.shape[-1]
     batch = initial_state.shape[0]

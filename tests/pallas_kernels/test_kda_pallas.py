@@ -403,7 +403,9 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
                                                        ("gated_inputs=none", True, -5.0),
                                                        ("scan_transposed=1", True, -5.0),
                                                        ("fused_scores=1", True, -5.0),
-                                                       ("fused_scores=1,output_from_scores=1", False, None)])
+                                                       ("fused_scores=1,output_from_scores=1", False, None),
+                                                       ("mosaic_scan=1", False, -5.0),
+                                                       ("mosaic_scan=1", True, None)])
 def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     # Kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a Triton custom
     # call (what fails here would fail on the GPU before compiling). The inference forwards, and the unbounded
@@ -430,7 +432,9 @@ def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     lean = "kda_lean_intra_fwd" if "split_intra=0" in tuning_text else "kda_lean_outputs_fwd"
     names = (lean, "kda_scores_output_fwd") if not grads else ("kda_scores_fwd", "kda_input_bwd")
     assert all(name in text for name in names)
-    assert text.count("__gpu$xla.gpu.triton") >= (3 if not grads else 8), text.count("__gpu$xla.gpu.triton")
+    triton_calls = (3 if not grads else 8) - tuning.mosaic_scan  # the Mosaic GPU state scan replaces one
+    assert text.count("__gpu$xla.gpu.triton") >= triton_calls, text.count("__gpu$xla.gpu.triton")
+    assert ("mosaic_gpu" in text) == tuning.mosaic_scan  # the forward state scan as a Mosaic GPU kernel
 
 
 def test_state_side_tile_must_divide_the_key_dimension():
@@ -568,3 +572,54 @@ def test_interleave_contracts_as_the_sum_of_its_tiles():
     fused = _interleave(a) @ _interleave(b).T
     assert _interleave(a).shape == (8, 16)
     np.testing.assert_allclose(np.asarray(fused), sum(np.asarray(x @ y.T) for x, y in zip(a, b)), rtol=1e-5, atol=1e-5)
+
+
+def test_mosaic_state_scan_matches_the_triton_kernel():
+    # Tuning(mosaic_scan=True): the forward state scan as a Mosaic GPU kernel, run by Mosaic GPU's interpreter, against
+    # the Triton-lowered kernel (Pallas interpret mode) and the jnp recurrence; two sequences (batch offsets), GVA-like
+    # value heads, a value tiling of two tiles.
+    from pallas_kernels.kda import mosaic_scan, pallas_scan
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    rng = np.random.default_rng(1)
+    batch, num_chunks, heads, chunk, key_dim, value_dim = 2, 3, 2, 64, 64, 64
+    bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    w, kd = (bf16(rng.normal(size=(batch * num_chunks, heads, chunk, key_dim)) * 0.1) for _ in range(2))
+    u = bf16(rng.normal(size=(batch * num_chunks, heads, chunk, value_dim)))
+    d = jnp.asarray(rng.uniform(0.5, 1.0, size=(batch * num_chunks, heads, key_dim)), jnp.float32)
+    s0 = jnp.asarray(rng.normal(size=(batch, heads, key_dim, value_dim)), jnp.float32)
+    run = lambda tuning: pallas_scan._states_scan(w, kd, u, d, s0, tuning=tuning, interpret=True,  # noqa: E731
+                                                  precision=None)
+    traced = []
+    original = mosaic_scan.states_scan
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mosaic_scan, "states_scan", lambda *a, **kw: traced.append(1) or original(*a, **kw))
+        mosaic = run(Tuning(mosaic_scan=True))
+    assert traced
+    reference = mosaic_scan.states_scan_reference(w, kd, u, d, s0)
+    for name, a, b, c in zip(("final", "states", "v_new"), run(Tuning()), mosaic, reference):
+        a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
+        assert np.abs(a).mean() > 0.1, name
+        assert relative_rms_error(a, b) < 1e-6, name
+        assert relative_rms_error(c, b) < 1e-6, name
+
+
+def test_mosaic_state_scan_in_the_whole_forward(monkeypatch):
+    # chunk_kda with Tuning(mosaic_scan=True) against the reference: the inference forward (o, state) and the training
+    # forward with its gradients, documents inside chunks, an initial state, a padded length; K = 64 (the Mosaic
+    # kernel's smallest key width).
+    from pallas_kernels.kda import mosaic_scan, pallas_op
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    monkeypatch.setattr(pallas_op, "lean_forward", lambda tuning, store: tuning.output_from_scores)
+    _interpret_with(monkeypatch, Tuning(mosaic_scan=True))
+    x = random_inputs(3, batch=1, seq_len=150, heads=1, value_heads=1, key_dim=64, value_dim=32, gate="bounded",
+                      g_min=-5.0, dtype=jnp.bfloat16)
+    ids, args, forward = _three_document_forward(x, -5.0)
+    traced = _record_calls(monkeypatch, [(mosaic_scan, "states_scan")])
+    outs = forward("interpret")(*args)
+    assert traced
+    for name, a, b in zip(("o", "state"), forward("reference")(*args), outs):
+        assert relative_rms_error(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 5e-3, name
+    traced.clear()
+    bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
+    _compare(x, -5.0, 64, ids, tol=bf16_bars)
+    assert traced  # the training forward's scan too
