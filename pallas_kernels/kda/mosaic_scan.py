@@ -1,8 +1,8 @@
-"""The forward state scan as a Mosaic GPU kernel (`plgpu.kernel`): warpgroup MMAs on shared-memory operands that a
-TMA pipeline (`plgpu.emit_pipeline`) loads one chunk ahead. Same contract as pallas_scan._states_scan with
-Tuning.scan_low_precision (the state and v_new rounded to bf16 as MMA operands, fp32 accumulation, fp32 carried
-state): per (batch, value head, value tile), S <- D S + kd^T (u - w S), storing every chunk's incoming state and
-v_new.
+"""The state scans as Mosaic GPU kernels (`plgpu.kernel`, Tuning.mosaic_scan): warpgroup MMAs on shared-memory
+operands that a TMA pipeline (`plgpu.emit_pipeline`) loads one chunk ahead. states_scan has the contract of
+pallas_scan._states_scan with Tuning.scan_low_precision (the state and v_new rounded to bf16 as MMA operands, fp32
+accumulation, fp32 carried state): per (batch, value head, value tile), S <- D S + kd^T (u - w S), storing every
+chunk's incoming state and v_new. state_grad_scan is pallas_bwd.state_grad's reverse recurrence.
 
 One warpgroup per program. Per chunk: the incoming state is stored (bf16) into a shared-memory buffer that a TMA
 store copies out and that is the right operand of v_new = u - w S ([C, K] x [K, Vt]); v_new likewise, the right
@@ -113,11 +113,93 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
         return kernel(w, kd, u, d, initial_state)
 
 
+def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
+    """The reverse recurrence of pallas_bwd.state_grad as a Mosaic GPU kernel, last chunk first: dV_new = kd dS_out,
+    dS_in = D dS_out + qp^T dO - w^T dV_new (dS_out and dV_new rounded to bf16 as MMA operands, fp32 accumulation).
+    w, qp, kd: [BN, HV, C, K] bf16; d: [BN, HV, K] fp32; do: [BN, C, HV, V] bf16; ds_final: [B, HV, K, V] fp32.
+    Returns (dS_out of every chunk [BN, HV, K, V] bf16, dV_new [BN, HV, C, V] fp32, dS of the initial state)."""
+    chunks, value_heads, chunk, key_dim = w.shape
+    batch, _, _, value_dim = ds_final.shape
+    num_chunks = chunks // batch
+    dtype = w.dtype
+    if not supported(w, kd, qp, tile=tile) or do.dtype != dtype:
+        raise ValueError(f"mosaic state_grad_scan: bf16 w, qp, kd, do with C and K multiples of 64, got {w.dtype}, "
+                         f"{qp.dtype}, {kd.dtype}, {do.dtype}, C={chunk}, K={key_dim}")
+
+    def body(w_g, qp_g, kd_g, d_g, do_g, ds_final_g, ds_chunk_g, dv_new_g, ds_init_g, ds_smem, ds_chunk_smem,
+             dv_new_smem, neg_dv_smem, bar):
+        b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
+        rows, cols = pl.ds(b * num_chunks, num_chunks), pl.ds(t * tile, tile)
+        plgpu.copy_gmem_to_smem(ds_final_g.at[b, h, :, cols], ds_smem, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+        ds = plgpu.load(ds_smem, (), layout=plgpu.Layout.WGMMA)
+
+        def step(index, w_s, qp_s, kd_s, d_s, do_s, ds):
+            i = index[0]
+            n, slot = b * num_chunks + num_chunks - 1 - i, lax.rem(i, 2)
+            ds_s, dv_s = ds_chunk_smem.at[slot], dv_new_smem.at[slot]
+            plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # this slot's stores of two chunks ago have read it
+            ds_s[...] = ds.astype(dtype)  # stored, and the right operand of kd dS
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(ds_s, ds_chunk_g.at[n, h, :, cols])
+
+            def kd_ds(acc):
+                plgpu.wgmma(acc, kd_s, ds_s)
+                return acc[...]
+
+            dv_new = pl.run_scoped(kd_ds, plgpu.ACC((chunk, tile), _F32))
+            dv_s[...] = dv_new
+            neg_dv_smem[...] = (-dv_new).astype(dtype)  # -w^T dV_new accumulates with qp^T dO
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dv_s, dv_new_g.at[n, h, :, cols])
+
+            def inputs(acc):
+                plgpu.wgmma(acc, qp_s.T, do_s)
+                plgpu.wgmma(acc, w_s.T, neg_dv_smem)
+                return acc[...]
+
+            decay = plgpu.load(d_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            decay = plgpu.layout_cast(lax.broadcast_in_dim(decay, (key_dim, tile), (0,)), plgpu.Layout.WGMMA)
+            return decay * ds + pl.run_scoped(inputs, plgpu.ACC((key_dim, tile), _F32))
+
+        last = num_chunks - 1
+        keys = plgpu.BlockSpec((None, chunk, key_dim), lambda i: (last - i, 0, 0), transforms=_operand())
+        pipeline = plgpu.emit_pipeline(
+            step, grid=(num_chunks,),
+            in_specs=[keys, keys, keys, plgpu.BlockSpec((None, key_dim), lambda i: (last - i, 0)),
+                      plgpu.BlockSpec((None, chunk, tile), lambda i: (last - i, 0, 0), transforms=_operand())],
+            max_concurrent_steps=2, init_carry=ds)
+        ds = pipeline(w_g.at[rows, h], qp_g.at[rows, h], kd_g.at[rows, h], d_g.at[rows, h], do_g.at[rows, :, h, cols])
+        ds_smem[...] = ds
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ds_smem, ds_init_g.at[b, h, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    fp32_tile = _operand(4 * tile, 4)
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), dtype),
+                  jax.ShapeDtypeStruct((chunks, value_heads, chunk, value_dim), _F32),
+                  jax.ShapeDtypeStruct(ds_final.shape, _F32)),
+        scratch_types=[plgpu.SMEM((key_dim, tile), _F32, transforms=fp32_tile),
+                       plgpu.SMEM((2, key_dim, tile), dtype, transforms=_operand()),
+                       plgpu.SMEM((2, chunk, tile), _F32, transforms=fp32_tile),
+                       plgpu.SMEM((chunk, tile), dtype, transforms=_operand()),
+                       plgpu.Barrier(num_barriers=1)],
+        grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )
+    if not interpret:
+        return kernel(w, qp, kd, d, do, ds_final)
+    with plgpu.force_gpu_interpret_mode():
+        return kernel(w, qp, kd, d, do, ds_final)
+
+
 def states_scan_reference(w, kd, u, d, initial_state):
     """The same recurrence in jnp (operands rounded as the kernel rounds them), for tests."""
-    chunks, value_heads, chunk, key_dim = w.shape
+    chunks = w.shape[0]
     batch = initial_state.shape[0]
-    split = lambda x: x.reshape(batch, chunks // batch, *x.shape[1:]).swapaxes(0, 1)  # noqa: E731
+    split = functools.partial(_split, batch=batch)
     mm = functools.partial(jnp.einsum, preferred_element_type=_F32)
 
     def step(state, xs):
@@ -128,5 +210,32 @@ def states_scan_reference(w, kd, u, d, initial_state):
         return new, (state_b, v_new.astype(u.dtype))
 
     final, (states, v_new) = lax.scan(step, initial_state, (split(w), split(kd), split(u), split(d)))
-    merge = lambda x: x.swapaxes(0, 1).reshape(chunks, *x.shape[2:])  # noqa: E731
-    return final, merge(states), merge(v_new)
+    return final, _merge(states, chunks), _merge(v_new, chunks)
+
+
+def _split(x, batch):
+    """[B * N, ...] -> [N, B, ...] (chunk-major, for lax.scan)."""
+    return x.reshape(batch, x.shape[0] // batch, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _merge(x, chunks):
+    return x.swapaxes(0, 1).reshape(chunks, *x.shape[2:])
+
+
+def state_grad_scan_reference(w, qp, kd, d, do, ds_final):
+    """state_grad_scan's recurrence in jnp (operands rounded as the kernel rounds them), for tests."""
+    chunks = w.shape[0]
+    batch = ds_final.shape[0]
+    mm = lambda spec, a, b: jnp.einsum(spec, a.astype(_F32), b.astype(_F32))  # noqa: E731  (bf16 values, exact)
+
+    def step(ds, xs):
+        w_n, qp_n, kd_n, d_n, do_n = xs
+        ds_b = ds.astype(w.dtype)
+        dv_new = mm("bhck,bhkv->bhcv", kd_n, ds_b)
+        ds_in = (d_n[..., None] * ds + mm("bhck,bchv->bhkv", qp_n, do_n)
+                 - mm("bhck,bhcv->bhkv", w_n, dv_new.astype(w.dtype)))
+        return ds_in, (ds_b, dv_new)
+
+    xs = tuple(_split(x, batch)[::-1] for x in (w, qp, kd, d, do))
+    ds_init, (ds_chunk, dv_new) = lax.scan(step, ds_final, xs)
+    return _merge(ds_chunk[::-1], chunks), _merge(dv_new[::-1], chunks), ds_init

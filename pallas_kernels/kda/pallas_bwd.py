@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kda import mosaic_scan
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, score_products
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
@@ -65,6 +66,9 @@ def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
     Returns dS_out of every chunk [BN, HV, K, V] (saved_state_dtype), dV_new = kd dS_out [BN, HV, C, V] and dS of
     the initial state.
     """
+    if (tuning.mosaic_scan and tuning.scan_low_precision and mosaic_scan.supported(w, kd, qp)
+            and do.dtype == w.dtype):
+        return mosaic_scan.state_grad_scan(w, qp, kd, d, do, ds_final, interpret=interpret)
     chunks, value_heads, chunk, key_dim = w.shape
     batch, _, _, value_dim = ds_final.shape
     tile = min(tuning.state_grad_tile or tuning.state_tile, value_dim)

@@ -432,7 +432,8 @@ def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     lean = "kda_lean_intra_fwd" if "split_intra=0" in tuning_text else "kda_lean_outputs_fwd"
     names = (lean, "kda_scores_output_fwd") if not grads else ("kda_scores_fwd", "kda_input_bwd")
     assert all(name in text for name in names)
-    triton_calls = (3 if not grads else 8) - tuning.mosaic_scan  # the Mosaic GPU state scan replaces one
+    # the Mosaic GPU state scans replace the forward scan (and the reverse one)
+    triton_calls = (3 if not grads else 8) - tuning.mosaic_scan * (2 if grads else 1)
     assert text.count("__gpu$xla.gpu.triton") >= triton_calls, text.count("__gpu$xla.gpu.triton")
     assert ("mosaic_gpu" in text) == tuning.mosaic_scan  # the forward state scan as a Mosaic GPU kernel
 
@@ -605,7 +606,7 @@ def test_mosaic_state_scan_matches_the_triton_kernel():
 
 def test_mosaic_state_scan_in_the_whole_forward(monkeypatch):
     # chunk_kda with Tuning(mosaic_scan=True) against the reference: the inference forward (o, state) and the training
-    # forward with its gradients, documents inside chunks, an initial state, a padded length; K = 64 (the Mosaic
+    # forward with its gradients (both scans in Mosaic GPU), documents inside chunks, an initial state, a padded length; K = 64 (the Mosaic
     # kernel's smallest key width).
     from pallas_kernels.kda import mosaic_scan, pallas_op
     from pallas_kernels.kda.pallas_fwd import Tuning
@@ -614,7 +615,7 @@ def test_mosaic_state_scan_in_the_whole_forward(monkeypatch):
     x = random_inputs(3, batch=1, seq_len=150, heads=1, value_heads=1, key_dim=64, value_dim=32, gate="bounded",
                       g_min=-5.0, dtype=jnp.bfloat16)
     ids, args, forward = _three_document_forward(x, -5.0)
-    traced = _record_calls(monkeypatch, [(mosaic_scan, "states_scan")])
+    traced = _record_calls(monkeypatch, [(mosaic_scan, "states_scan"), (mosaic_scan, "state_grad_scan")])
     outs = forward("interpret")(*args)
     assert traced
     for name, a, b in zip(("o", "state"), forward("reference")(*args), outs):
@@ -622,4 +623,33 @@ def test_mosaic_state_scan_in_the_whole_forward(monkeypatch):
     traced.clear()
     bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, -5.0, 64, ids, tol=bf16_bars)
-    assert traced  # the training forward's scan too
+    assert set(traced) == {"states_scan", "state_grad_scan"}  # the training forward's scan and the reverse scan
+
+
+def test_mosaic_reverse_state_scan_matches_the_triton_kernel():
+    # Tuning(mosaic_scan=True) in the backward: dV_new = kd dS, dS_in = D dS + qp^T dO - w^T dV_new, last chunk first,
+    # against the Triton-lowered kernel and the jnp recurrence. The Mosaic kernel sums qp^T dO - w^T dV_new in one
+    # accumulator, so its fp32 sums round differently, and now and then dS rounds to the other bf16 neighbour.
+    from pallas_kernels.kda import mosaic_scan, pallas_bwd
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    rng = np.random.default_rng(0)
+    batch, num_chunks, heads, chunk, key_dim, value_dim = 2, 3, 2, 64, 64, 64
+    bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    w, qp, kd = (bf16(rng.normal(size=(batch * num_chunks, heads, chunk, key_dim)) * 0.1) for _ in range(3))
+    do = bf16(rng.normal(size=(batch * num_chunks, chunk, heads, value_dim)))
+    d = jnp.asarray(rng.uniform(0.5, 1.0, size=(batch * num_chunks, heads, key_dim)), jnp.float32)
+    ds_final = jnp.asarray(rng.normal(size=(batch, heads, key_dim, value_dim)), jnp.float32)
+    run = lambda tuning: pallas_bwd.state_grad(w, qp, kd, d, do, ds_final, tuning=tuning,  # noqa: E731
+                                               interpret=True, precision=None)
+    traced = []
+    original = mosaic_scan.state_grad_scan
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mosaic_scan, "state_grad_scan", lambda *a, **kw: traced.append(1) or original(*a, **kw))
+        mosaic = run(Tuning(mosaic_scan=True))
+    assert traced
+    reference = mosaic_scan.state_grad_scan_reference(w, qp, kd, d, do, ds_final)
+    for name, a, b, c in zip(("ds_chunk", "dv_new", "ds_init"), run(Tuning()), mosaic, reference):
+        a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
+        assert np.abs(a).mean() > 0.1, name
+        assert relative_rms_error(a, b) < 1e-3, name
+        assert relative_rms_error(c, b) < 1e-3, name
