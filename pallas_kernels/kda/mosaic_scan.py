@@ -104,7 +104,7 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
                        plgpu.SMEM((2, key_dim, tile), dtype, transforms=_operand()),
                        plgpu.SMEM((2, chunk, tile), dtype, transforms=_operand()),
                        plgpu.Barrier(num_barriers=1)],
-        grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"),
+        grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"), kernel_name="kda_states_fwd_mosaic",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
     if not interpret:
@@ -186,7 +186,7 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
                        plgpu.SMEM((2, chunk, tile), _F32, transforms=fp32_tile),
                        plgpu.SMEM((chunk, tile), dtype, transforms=_operand()),
                        plgpu.Barrier(num_barriers=1)],
-        grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"),
+        grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"), kernel_name="kda_state_bwd_mosaic",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
     if not interpret:

@@ -435,7 +435,9 @@ def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     # the Mosaic GPU state scans replace the forward scan (and the reverse one)
     triton_calls = (3 if not grads else 8) - tuning.mosaic_scan * (2 if grads else 1)
     assert text.count("__gpu$xla.gpu.triton") >= triton_calls, text.count("__gpu$xla.gpu.triton")
-    assert ("mosaic_gpu" in text) == tuning.mosaic_scan  # the forward state scan as a Mosaic GPU kernel
+    mosaic = ["kda_states_fwd_mosaic"] + (["kda_state_bwd_mosaic"] if grads else [])
+    assert all((name in text) == tuning.mosaic_scan for name in mosaic)  # the state scans as Mosaic GPU kernels
+    assert ("mosaic_gpu" in text) == tuning.mosaic_scan
 
 
 def test_state_side_tile_must_divide_the_key_dimension():
