@@ -19,19 +19,28 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _F32 = jnp.float32
-SWIZZLE = 64  # bytes: a 32-column bf16 tile row; every MMA operand uses the same swizzle
+TILES = (16, 32, 64)  # value channels per program
 
 
-def _operand(swizzle=SWIZZLE, itemsize=2):
-    """Shared-memory transforms of an MMA operand."""
+def _transforms(tile, itemsize=2):
+    """Shared-memory transforms of a [rows, tile] buffer (and, bf16, of every MMA operand beside it: a wgmma's two
+    shared-memory operands must share their swizzle, so w and kd take the value tile's, 2 * tile bytes)."""
+    swizzle = min(128, tile * itemsize)
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _check(name, chunk, key_dim, value_dim, tile):
+    if tile not in TILES or value_dim % tile or chunk % 64 or key_dim % 64:
+        raise ValueError(f"mosaic {name}: the value tile must be one of {TILES} and divide V, and C and K multiples "
+                         f"of 64; got tile={tile}, V={value_dim}, C={chunk}, K={key_dim}")
+
+
 def supported(w, kd, u, *, tile=32):
-    """Whether states_scan takes these operands: bf16 w, kd, u; C and K multiples of 64; V a multiple of `tile`."""
+    """Whether the scans take these operands: bf16 w, kd, u; C and K multiples of 64; V a multiple of `tile`, one
+    of TILES."""
     chunk, key_dim = w.shape[2:]
     return (all(x.dtype == jnp.bfloat16 for x in (w, kd, u)) and chunk % 64 == 0 and key_dim % 64 == 0
-            and u.shape[-1] % tile == 0)
+            and tile in TILES and u.shape[-1] % tile == 0)
 
 
 def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
@@ -45,9 +54,8 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
     dtype = u.dtype
     if dtype != jnp.bfloat16 or w.dtype != dtype or kd.dtype != dtype:
         raise ValueError(f"mosaic states_scan: w, kd, u must be bf16, got {w.dtype}, {kd.dtype}, {dtype}")
-    if value_dim % tile or tile * 2 != SWIZZLE or chunk % 64 or key_dim % 64:
-        raise ValueError(f"mosaic states_scan: needs tile = {SWIZZLE // 2} dividing V, C and K multiples of 64; got "
-                         f"tile={tile}, V={value_dim}, C={chunk}, K={key_dim}")
+    _check("states_scan", chunk, key_dim, value_dim, tile)
+    operand = _transforms(tile)
 
     def body(w_g, kd_g, u_g, d_g, s0_g, s_out_g, states_g, v_new_g, s_smem, states_smem, v_new_smem, bar):
         b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
@@ -83,10 +91,10 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
             decay = plgpu.layout_cast(lax.broadcast_in_dim(decay, (key_dim, tile), (0,)), plgpu.Layout.WGMMA)
             return decay * state + pl.run_scoped(update, plgpu.ACC((key_dim, tile), _F32))
 
-        keys = plgpu.BlockSpec((None, chunk, key_dim), lambda n: (n, 0, 0), transforms=_operand())
+        keys = plgpu.BlockSpec((None, chunk, key_dim), lambda n: (n, 0, 0), transforms=operand)
         pipeline = plgpu.emit_pipeline(
             step, grid=(num_chunks,),
-            in_specs=[keys, keys, plgpu.BlockSpec((None, chunk, tile), lambda n: (n, 0, 0), transforms=_operand()),
+            in_specs=[keys, keys, plgpu.BlockSpec((None, chunk, tile), lambda n: (n, 0, 0), transforms=operand),
                       plgpu.BlockSpec((None, key_dim), lambda n: (n, 0))],
             max_concurrent_steps=2, init_carry=state)
         state = pipeline(w_g.at[rows, h], kd_g.at[rows, h], u_g.at[rows, h, :, cols], d_g.at[rows, h])
@@ -100,9 +108,9 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
         out_type=(jax.ShapeDtypeStruct(initial_state.shape, _F32),
                   jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), dtype),
                   jax.ShapeDtypeStruct(u.shape, dtype)),
-        scratch_types=[plgpu.SMEM((key_dim, tile), _F32, transforms=_operand(4 * tile, 4)),
-                       plgpu.SMEM((2, key_dim, tile), dtype, transforms=_operand()),
-                       plgpu.SMEM((2, chunk, tile), dtype, transforms=_operand()),
+        scratch_types=[plgpu.SMEM((key_dim, tile), _F32, transforms=_transforms(tile, 4)),
+                       plgpu.SMEM((2, key_dim, tile), dtype, transforms=operand),
+                       plgpu.SMEM((2, chunk, tile), dtype, transforms=operand),
                        plgpu.Barrier(num_barriers=1)],
         grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"), kernel_name="kda_states_fwd_mosaic",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -122,9 +130,11 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
     batch, _, _, value_dim = ds_final.shape
     num_chunks = chunks // batch
     dtype = w.dtype
-    if not supported(w, kd, qp, tile=tile) or do.dtype != dtype:
-        raise ValueError(f"mosaic state_grad_scan: bf16 w, qp, kd, do with C and K multiples of 64, got {w.dtype}, "
-                         f"{qp.dtype}, {kd.dtype}, {do.dtype}, C={chunk}, K={key_dim}")
+    if any(x.dtype != jnp.bfloat16 for x in (w, qp, kd, do)):
+        raise ValueError(f"mosaic state_grad_scan: w, qp, kd, dO must be bf16, got {w.dtype}, {qp.dtype}, {kd.dtype}, "
+                         f"{do.dtype}")
+    _check("state_grad_scan", chunk, key_dim, value_dim, tile)
+    operand = _transforms(tile)
 
     def body(w_g, qp_g, kd_g, d_g, do_g, ds_final_g, ds_chunk_g, dv_new_g, ds_init_g, ds_smem, ds_chunk_smem,
              dv_new_smem, neg_dv_smem, bar):
@@ -163,11 +173,11 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
             return decay * ds + pl.run_scoped(inputs, plgpu.ACC((key_dim, tile), _F32))
 
         last = num_chunks - 1
-        keys = plgpu.BlockSpec((None, chunk, key_dim), lambda i: (last - i, 0, 0), transforms=_operand())
+        keys = plgpu.BlockSpec((None, chunk, key_dim), lambda i: (last - i, 0, 0), transforms=operand)
         pipeline = plgpu.emit_pipeline(
             step, grid=(num_chunks,),
             in_specs=[keys, keys, keys, plgpu.BlockSpec((None, key_dim), lambda i: (last - i, 0)),
-                      plgpu.BlockSpec((None, chunk, tile), lambda i: (last - i, 0, 0), transforms=_operand())],
+                      plgpu.BlockSpec((None, chunk, tile), lambda i: (last - i, 0, 0), transforms=operand)],
             max_concurrent_steps=2, init_carry=ds)
         ds = pipeline(w_g.at[rows, h], qp_g.at[rows, h], kd_g.at[rows, h], d_g.at[rows, h], do_g.at[rows, :, h, cols])
         ds_smem[...] = ds
@@ -175,16 +185,16 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
         plgpu.copy_smem_to_gmem(ds_smem, ds_init_g.at[b, h, :, cols])
         plgpu.wait_smem_to_gmem(0)
 
-    fp32_tile = _operand(4 * tile, 4)
+    fp32_tile = _transforms(tile, 4)
     kernel = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), dtype),
                   jax.ShapeDtypeStruct((chunks, value_heads, chunk, value_dim), _F32),
                   jax.ShapeDtypeStruct(ds_final.shape, _F32)),
         scratch_types=[plgpu.SMEM((key_dim, tile), _F32, transforms=fp32_tile),
-                       plgpu.SMEM((2, key_dim, tile), dtype, transforms=_operand()),
+                       plgpu.SMEM((2, key_dim, tile), dtype, transforms=operand),
                        plgpu.SMEM((2, chunk, tile), _F32, transforms=fp32_tile),
-                       plgpu.SMEM((chunk, tile), dtype, transforms=_operand()),
+                       plgpu.SMEM((chunk, tile), dtype, transforms=operand),
                        plgpu.Barrier(num_barriers=1)],
         grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"), kernel_name="kda_state_bwd_mosaic",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),

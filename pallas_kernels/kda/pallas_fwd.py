@@ -84,10 +84,10 @@ class Tuning:
     # 232-274 B to none (249 registers). Not yet timed, so off (benchmarks/notes_kda.md v11).
     fused_scores: bool = False
     # The state scans, forward (states alone, Tuning.separate_output) and reverse, as Mosaic GPU kernels
-    # (mosaic_scan.py: warpgroup MMAs on shared-memory operands, a TMA pipeline one chunk ahead, 32 value channels
-    # per program) instead of the Triton lowering; bf16 inputs with scan_low_precision, C and K multiples of 64 (else
-    # the Triton kernels run). They lower for CUDA and match the Triton kernels in interpret mode (Mosaic GPU's
-    # interpreter); not yet timed, so off.
+    # (mosaic_scan.py: warpgroup MMAs on shared-memory operands, a TMA pipeline one chunk ahead, state_tile and
+    # state_grad_tile value channels per program: 16, 32 or 64) instead of the Triton lowering; bf16 inputs with
+    # scan_low_precision, C and K multiples of 64 (else the Triton kernels run). They lower for CUDA and match the
+    # Triton kernels in interpret mode (Mosaic GPU's interpreter); not yet timed, so off.
     mosaic_scan: bool = False
     # Matmul operands of the forward's per-chunk kernels for 16-bit inputs: "tf32" (fp32 tiles), "bf16_scores" (bf16
     # in the decayed-score products only) or "bf16" (every product). fp32

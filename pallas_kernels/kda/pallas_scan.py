@@ -94,12 +94,12 @@ def _output_kernel(qp_ref, ol_ref, state_ref, o_ref, *, low):
 
 def _states_scan(w, kd, u, d, initial_state, *, tuning, interpret, precision):
     """The states alone: (final state, every chunk's incoming state, v_new)."""
-    if tuning.mosaic_scan and tuning.scan_low_precision and mosaic_scan.supported(w, kd, u):
-        return mosaic_scan.states_scan(w, kd, u, d, initial_state, interpret=interpret)
     chunks, value_heads, chunk, key_dim = w.shape
     value_dim = u.shape[-1]
     batch = initial_state.shape[0]
     tile = min(tuning.state_tile, value_dim)
+    if tuning.mosaic_scan and tuning.scan_low_precision and mosaic_scan.supported(w, kd, u, tile=tile):
+        return mosaic_scan.states_scan(w, kd, u, d, initial_state, tile=tile, interpret=interpret)
     keys, values, vector, states, _, state = sequence_specs(chunks // batch, key_dim, tile)
     return pl.pallas_call(
         functools.partial(_states_kernel_transposed if tuning.scan_transposed else _states_kernel, precision=precision,

@@ -577,7 +577,8 @@ def test_interleave_contracts_as_the_sum_of_its_tiles():
     np.testing.assert_allclose(np.asarray(fused), sum(np.asarray(x @ y.T) for x, y in zip(a, b)), rtol=1e-5, atol=1e-5)
 
 
-def test_mosaic_state_scan_matches_the_triton_kernel():
+@pytest.mark.parametrize("tile", [16, 32, 64])
+def test_mosaic_state_scan_matches_the_triton_kernel(tile):
     # Tuning(mosaic_scan=True): the forward state scan as a Mosaic GPU kernel, run by Mosaic GPU's interpreter, against
     # the Triton-lowered kernel (Pallas interpret mode) and the jnp recurrence; two sequences (batch offsets), GVA-like
     # value heads, a value tiling of two tiles.
@@ -596,10 +597,10 @@ def test_mosaic_state_scan_matches_the_triton_kernel():
     original = mosaic_scan.states_scan
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mosaic_scan, "states_scan", lambda *a, **kw: traced.append(1) or original(*a, **kw))
-        mosaic = run(Tuning(mosaic_scan=True))
+        mosaic = run(Tuning(state_tile=tile, mosaic_scan=True))
     assert traced
     reference = mosaic_scan.states_scan_reference(w, kd, u, d, s0)
-    for name, a, b, c in zip(("final", "states", "v_new"), run(Tuning()), mosaic, reference):
+    for name, a, b, c in zip(("final", "states", "v_new"), run(Tuning(state_tile=tile)), mosaic, reference):
         a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
         assert np.abs(a).mean() > 0.1, name
         assert relative_rms_error(a, b) < 1e-6, name
@@ -628,7 +629,8 @@ def test_mosaic_state_scan_in_the_whole_forward(monkeypatch):
     assert set(traced) == {"states_scan", "state_grad_scan"}  # the training forward's scan and the reverse scan
 
 
-def test_mosaic_reverse_state_scan_matches_the_triton_kernel():
+@pytest.mark.parametrize("tile", [16, 32, 64])
+def test_mosaic_reverse_state_scan_matches_the_triton_kernel(tile):
     # Tuning(mosaic_scan=True) in the backward: dV_new = kd dS, dS_in = D dS + qp^T dO - w^T dV_new, last chunk first,
     # against the Triton-lowered kernel and the jnp recurrence. The Mosaic kernel sums qp^T dO - w^T dV_new in one
     # accumulator, so its fp32 sums round differently, and now and then dS rounds to the other bf16 neighbour.
@@ -647,11 +649,20 @@ def test_mosaic_reverse_state_scan_matches_the_triton_kernel():
     original = mosaic_scan.state_grad_scan
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mosaic_scan, "state_grad_scan", lambda *a, **kw: traced.append(1) or original(*a, **kw))
-        mosaic = run(Tuning(mosaic_scan=True))
+        mosaic = run(Tuning(state_grad_tile=tile, mosaic_scan=True))
     assert traced
     reference = mosaic_scan.state_grad_scan_reference(w, qp, kd, d, do, ds_final)
-    for name, a, b, c in zip(("ds_chunk", "dv_new", "ds_init"), run(Tuning()), mosaic, reference):
+    for name, a, b, c in zip(("ds_chunk", "dv_new", "ds_init"), run(Tuning(state_grad_tile=tile)), mosaic, reference):
         a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
         assert np.abs(a).mean() > 0.1, name
         assert relative_rms_error(a, b) < 1e-3, name
         assert relative_rms_error(c, b) < 1e-3, name
+
+
+def test_mosaic_scan_rejects_a_tile_it_cannot_lay_out():
+    from pallas_kernels.kda import mosaic_scan
+    w = jnp.zeros((2, 1, 64, 64), jnp.bfloat16)
+    assert not mosaic_scan.supported(w, w, jnp.zeros((2, 1, 64, 48), jnp.bfloat16), tile=48)
+    with pytest.raises(ValueError, match="value tile must be one of"):
+        mosaic_scan.states_scan(w, w, jnp.zeros((2, 1, 64, 48), jnp.bfloat16), jnp.ones((2, 1, 64)),
+                                jnp.zeros((1, 1, 64, 48)), tile=48)
