@@ -10,6 +10,7 @@ operand of kd^T v_new ([K, C] x [C, Vt], kd read transposed from shared memory),
 alternate between chunks, so a chunk's stores overlap the next chunk's products.
 """
 
+import contextlib
 import functools
 
 import jax
@@ -35,6 +36,15 @@ def _check(name, chunk, key_dim, value_dim, tile):
                          f"of 64; got tile={tile}, V={value_dim}, C={chunk}, K={key_dim}")
 
 
+def _interpreted(interpret):
+    """Mosaic GPU's interpreter (on the CPU) for interpret=True or an InterpretGPUParams (e.g. detect_races=True);
+    pallas_call's interpret=True would be Triton's."""
+    if not interpret:
+        return contextlib.nullcontext()
+    params = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()
+    return plgpu.force_gpu_interpret_mode(params)
+
+
 def supported(w, kd, u, *, tile=32):
     """Whether the scans take these operands: bf16 w, kd, u; C and K multiples of 64; V a multiple of `tile`, one
     of TILES."""
@@ -44,8 +54,8 @@ def supported(w, kd, u, *, tile=32):
 
 
 def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
-    """w, kd: [BN, HV, C, K]; u: [BN, HV, C, V] (bf16); d: [BN, HV, K] fp32; initial_state: [B, HV, K, V] fp32.
-    Returns (final state [B, HV, K, V] fp32, every chunk's incoming state [BN, HV, K, V] and v_new [BN, HV, C, V] in
+    """w, kd: [BN, HV, C, K]; u: [BN, HV, C, V] (bf16); d: [BN, HV, K] fp32; initial_state: [B, HV, K, V] fp32;
+    interpret: False, True or a plgpu.InterpretGPUParams (_interpreted). Returns (final state [B, HV, K, V] fp32, every chunk's incoming state [BN, HV, K, V] and v_new [BN, HV, C, V] in
     u's dtype)."""
     chunks, value_heads, chunk, key_dim = w.shape
     value_dim = u.shape[-1]
@@ -79,10 +89,11 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
 
             v_new = plgpu.load(u_s, (), layout=plgpu.Layout.WGMMA).astype(_F32) - pl.run_scoped(
                 w_state, plgpu.ACC((chunk, tile), _F32))
+            # read before the warpgroup synchronises (commit_smem): once the step returns, the pipeline refills d_s
+            decay = plgpu.load(d_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
             v_new_s[...] = v_new.astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(v_new_s, v_new_g.at[b * num_chunks + n, h, :, cols])
-            decay = plgpu.load(d_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
 
             def update(acc):
                 plgpu.wgmma(acc, kd_s.T, v_new_s)
@@ -115,9 +126,7 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
         grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"), kernel_name="kda_states_fwd_mosaic",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
-    if not interpret:
-        return kernel(w, kd, u, d, initial_state)
-    with plgpu.force_gpu_interpret_mode():  # Mosaic GPU's interpreter (CPU); pallas_call's interpret=True is Triton's
+    with _interpreted(interpret):
         return kernel(w, kd, u, d, initial_state)
 
 
@@ -158,6 +167,8 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
                 return acc[...]
 
             dv_new = pl.run_scoped(kd_ds, plgpu.ACC((chunk, tile), _F32))
+            # read before the warpgroup synchronises (commit_smem): once the step returns, the pipeline refills d_s
+            decay = plgpu.load(d_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
             dv_s[...] = dv_new
             neg_dv_smem[...] = (-dv_new).astype(dtype)  # -w^T dV_new accumulates with qp^T dO
             plgpu.commit_smem()
@@ -168,7 +179,6 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
                 plgpu.wgmma(acc, w_s.T, neg_dv_smem)
                 return acc[...]
 
-            decay = plgpu.load(d_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
             decay = plgpu.layout_cast(lax.broadcast_in_dim(decay, (key_dim, tile), (0,)), plgpu.Layout.WGMMA)
             return decay * ds + pl.run_scoped(inputs, plgpu.ACC((key_dim, tile), _F32))
 
@@ -199,9 +209,7 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
         grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"), kernel_name="kda_state_bwd_mosaic",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
-    if not interpret:
-        return kernel(w, qp, kd, d, do, ds_final)
-    with plgpu.force_gpu_interpret_mode():
+    with _interpreted(interpret):
         return kernel(w, qp, kd, d, do, ds_final)
 
 

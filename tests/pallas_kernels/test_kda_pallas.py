@@ -666,3 +666,22 @@ def test_mosaic_scan_rejects_a_tile_it_cannot_lay_out():
     with pytest.raises(ValueError, match="value tile must be one of"):
         mosaic_scan.states_scan(w, w, jnp.zeros((2, 1, 64, 48), jnp.bfloat16), jnp.ones((2, 1, 64)),
                                 jnp.zeros((1, 1, 64, 48)), tile=48)
+
+
+def test_mosaic_scans_have_no_data_races():
+    # Mosaic GPU's interpreter with its happens-before race detector: the warpgroup's reads of the pipeline's buffers,
+    # the TMA loads that refill them and the TMA stores of the alternating output buffers.
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from pallas_kernels.kda import mosaic_scan
+    rng = np.random.default_rng(0)
+    num_chunks, chunk, key_dim, value_dim = 4, 64, 64, 32
+    bf16 = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.1, jnp.bfloat16)  # noqa: E731
+    w, qp, kd = (bf16(num_chunks, 1, chunk, key_dim) for _ in range(3))
+    u, do = bf16(num_chunks, 1, chunk, value_dim), bf16(num_chunks, chunk, 1, value_dim)
+    d = jnp.asarray(rng.uniform(0.5, 1.0, size=(num_chunks, 1, key_dim)), jnp.float32)
+    s0 = jnp.asarray(rng.normal(size=(1, 1, key_dim, value_dim)), jnp.float32)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    jax.block_until_ready(mosaic_scan.states_scan(w, kd, u, d, s0, interpret=params))
+    jax.block_until_ready(mosaic_scan.state_grad_scan(w, qp, kd, d, do, s0, interpret=params))
+    assert not gpu_callbacks.get_races().races_found
