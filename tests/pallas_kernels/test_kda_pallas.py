@@ -577,34 +577,44 @@ def test_interleave_contracts_as_the_sum_of_its_tiles():
     np.testing.assert_allclose(np.asarray(fused), sum(np.asarray(x @ y.T) for x, y in zip(a, b)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tile", [16, 32, 64])
-def test_mosaic_state_scan_matches_the_triton_kernel(tile):
-    # Tuning(mosaic_scan=True): the forward state scan as a Mosaic GPU kernel, run by Mosaic GPU's interpreter, against
-    # the Triton-lowered kernel (Pallas interpret mode) and the jnp recurrence; two sequences (batch offsets), GVA-like
-    # value heads, a value tiling of two tiles.
-    from pallas_kernels.kda import mosaic_scan, pallas_scan
+def _mosaic_against_triton(monkeypatch, run, kernel, tile_field, tile, reference, names, tol):
+    """run(tuning) with the Triton scans and with Tuning.mosaic_scan (which must call mosaic_scan.`kernel`), both
+    against each other and against `reference`, output by output."""
+    from pallas_kernels.kda import mosaic_scan
     from pallas_kernels.kda.pallas_fwd import Tuning
-    rng = np.random.default_rng(1)
-    batch, num_chunks, heads, chunk, key_dim, value_dim = 2, 3, 2, 64, 64, 64
-    bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-    w, kd = (bf16(rng.normal(size=(batch * num_chunks, heads, chunk, key_dim)) * 0.1) for _ in range(2))
-    u = bf16(rng.normal(size=(batch * num_chunks, heads, chunk, value_dim)))
-    d = jnp.asarray(rng.uniform(0.5, 1.0, size=(batch * num_chunks, heads, key_dim)), jnp.float32)
-    s0 = jnp.asarray(rng.normal(size=(batch, heads, key_dim, value_dim)), jnp.float32)
-    run = lambda tuning: pallas_scan._states_scan(w, kd, u, d, s0, tuning=tuning, interpret=True,  # noqa: E731
-                                                  precision=None)
-    traced = []
-    original = mosaic_scan.states_scan
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mosaic_scan, "states_scan", lambda *a, **kw: traced.append(1) or original(*a, **kw))
-        mosaic = run(Tuning(state_tile=tile, mosaic_scan=True))
-    assert traced
-    reference = mosaic_scan.states_scan_reference(w, kd, u, d, s0)
-    for name, a, b, c in zip(("final", "states", "v_new"), run(Tuning(state_tile=tile)), mosaic, reference):
+    traced = _record_calls(monkeypatch, [(mosaic_scan, kernel)])
+    triton, mosaic = run(Tuning(**{tile_field: tile})), run(Tuning(**{tile_field: tile}, mosaic_scan=True))
+    assert traced == [kernel]
+    for name, a, b, c in zip(names, triton, mosaic, reference):
         a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
         assert np.abs(a).mean() > 0.1, name
-        assert relative_rms_error(a, b) < 1e-6, name
-        assert relative_rms_error(c, b) < 1e-6, name
+        assert relative_rms_error(a, b) < tol, name
+        assert relative_rms_error(c, b) < tol, name
+
+
+def _scan_operands(rng, batch, num_chunks, heads, chunk, key_dim, value_dim):
+    """Random bf16 chunk tiles [BN, HV, C, K] (three), values [BN, HV, C, V], time-major values [BN, C, HV, V], decays
+    [BN, HV, K] and a state [B, HV, K, V]."""
+    bf16 = lambda *shape, s=1.0: jnp.asarray(rng.normal(size=shape) * s, jnp.bfloat16)  # noqa: E731
+    keys = [bf16(batch * num_chunks, heads, chunk, key_dim, s=0.1) for _ in range(3)]
+    values = bf16(batch * num_chunks, heads, chunk, value_dim)
+    time_major = bf16(batch * num_chunks, chunk, heads, value_dim)
+    d = jnp.asarray(rng.uniform(0.5, 1.0, size=(batch * num_chunks, heads, key_dim)), jnp.float32)
+    state = jnp.asarray(rng.normal(size=(batch, heads, key_dim, value_dim)), jnp.float32)
+    return keys, values, time_major, d, state
+
+
+@pytest.mark.parametrize("tile", [16, 32, 64])
+def test_mosaic_state_scan_matches_the_triton_kernel(monkeypatch, tile):
+    # Tuning(mosaic_scan=True): the forward state scan as a Mosaic GPU kernel, run by Mosaic GPU's interpreter, against
+    # the Triton-lowered kernel (Pallas interpret mode) and the jnp recurrence; two sequences (batch offsets), two
+    # value heads, one to four value tiles.
+    from pallas_kernels.kda import mosaic_scan, pallas_scan
+    (w, kd, _), u, _, d, s0 = _scan_operands(np.random.default_rng(1), 2, 3, 2, 64, 64, 64)
+    run = lambda tuning: pallas_scan._states_scan(w, kd, u, d, s0, tuning=tuning, interpret=True,  # noqa: E731
+                                                  precision=None)
+    _mosaic_against_triton(monkeypatch, run, "states_scan", "state_tile", tile,
+                           mosaic_scan.states_scan_reference(w, kd, u, d, s0), ("final", "states", "v_new"), 1e-6)
 
 
 def test_mosaic_state_scan_in_the_whole_forward(monkeypatch):
@@ -630,33 +640,17 @@ def test_mosaic_state_scan_in_the_whole_forward(monkeypatch):
 
 
 @pytest.mark.parametrize("tile", [16, 32, 64])
-def test_mosaic_reverse_state_scan_matches_the_triton_kernel(tile):
+def test_mosaic_reverse_state_scan_matches_the_triton_kernel(monkeypatch, tile):
     # Tuning(mosaic_scan=True) in the backward: dV_new = kd dS, dS_in = D dS + qp^T dO - w^T dV_new, last chunk first,
     # against the Triton-lowered kernel and the jnp recurrence. The Mosaic kernel sums qp^T dO - w^T dV_new in one
     # accumulator, so its fp32 sums round differently, and now and then dS rounds to the other bf16 neighbour.
     from pallas_kernels.kda import mosaic_scan, pallas_bwd
-    from pallas_kernels.kda.pallas_fwd import Tuning
-    rng = np.random.default_rng(0)
-    batch, num_chunks, heads, chunk, key_dim, value_dim = 2, 3, 2, 64, 64, 64
-    bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-    w, qp, kd = (bf16(rng.normal(size=(batch * num_chunks, heads, chunk, key_dim)) * 0.1) for _ in range(3))
-    do = bf16(rng.normal(size=(batch * num_chunks, chunk, heads, value_dim)))
-    d = jnp.asarray(rng.uniform(0.5, 1.0, size=(batch * num_chunks, heads, key_dim)), jnp.float32)
-    ds_final = jnp.asarray(rng.normal(size=(batch, heads, key_dim, value_dim)), jnp.float32)
+    (w, qp, kd), _, do, d, ds_final = _scan_operands(np.random.default_rng(0), 2, 3, 2, 64, 64, 64)
     run = lambda tuning: pallas_bwd.state_grad(w, qp, kd, d, do, ds_final, tuning=tuning,  # noqa: E731
                                                interpret=True, precision=None)
-    traced = []
-    original = mosaic_scan.state_grad_scan
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mosaic_scan, "state_grad_scan", lambda *a, **kw: traced.append(1) or original(*a, **kw))
-        mosaic = run(Tuning(state_grad_tile=tile, mosaic_scan=True))
-    assert traced
-    reference = mosaic_scan.state_grad_scan_reference(w, qp, kd, d, do, ds_final)
-    for name, a, b, c in zip(("ds_chunk", "dv_new", "ds_init"), run(Tuning(state_grad_tile=tile)), mosaic, reference):
-        a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
-        assert np.abs(a).mean() > 0.1, name
-        assert relative_rms_error(a, b) < 1e-3, name
-        assert relative_rms_error(c, b) < 1e-3, name
+    _mosaic_against_triton(monkeypatch, run, "state_grad_scan", "state_grad_tile", tile,
+                           mosaic_scan.state_grad_scan_reference(w, qp, kd, d, do, ds_final),
+                           ("ds_chunk", "dv_new", "ds_init"), 1e-3)
 
 
 def test_mosaic_scan_rejects_a_tile_it_cannot_lay_out():
@@ -674,13 +668,7 @@ def test_mosaic_scans_have_no_data_races():
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from pallas_kernels.kda import mosaic_scan
-    rng = np.random.default_rng(0)
-    num_chunks, chunk, key_dim, value_dim = 4, 64, 64, 32
-    bf16 = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.1, jnp.bfloat16)  # noqa: E731
-    w, qp, kd = (bf16(num_chunks, 1, chunk, key_dim) for _ in range(3))
-    u, do = bf16(num_chunks, 1, chunk, value_dim), bf16(num_chunks, chunk, 1, value_dim)
-    d = jnp.asarray(rng.uniform(0.5, 1.0, size=(num_chunks, 1, key_dim)), jnp.float32)
-    s0 = jnp.asarray(rng.normal(size=(1, 1, key_dim, value_dim)), jnp.float32)
+    (w, qp, kd), u, do, d, s0 = _scan_operands(np.random.default_rng(0), 1, 4, 1, 64, 64, 32)
     params = plgpu.InterpretGPUParams(detect_races=True)
     jax.block_until_ready(mosaic_scan.states_scan(w, kd, u, d, s0, interpret=params))
     jax.block_until_ready(mosaic_scan.state_grad_scan(w, qp, kd, d, do, s0, interpret=params))
