@@ -544,7 +544,7 @@ def test_gated_inputs_choice_is_checked():
 
 
 @pytest.mark.parametrize("gate, g_min", [("bounded", -5.0), ("softplus", None)])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16])
 def test_fused_scores_match_reference(monkeypatch, gate, g_min, dtype):
     # Tuning(fused_scores=True): each score one product per key tile (the row blocks' operands interleaved along the
     # contraction) and the scores stored before the solve. Inference forward and training forward with gradients;
