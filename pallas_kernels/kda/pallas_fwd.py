@@ -81,7 +81,7 @@ class Tuning:
     # the left operand and the row blocks' operands side by side along the contraction (pallas_chunk.partial_scores),
     # instead of one masked [C, C] product per row block, each held in registers until it is masked and added; and
     # the scores stored before the solve. In the local sm_90a compile (bounded, 4 warps) the kernel's spills go from
-    # 232-274 B to none (249 registers). Not yet timed, so off (benchmarks/notes_kda.md v11).
+    # 276-280 B to none (249 registers). Not yet timed, so off (benchmarks/notes_kda.md v11).
     fused_scores: bool = False
     # The state scans, forward (states alone, Tuning.separate_output) and reverse, as Mosaic GPU kernels
     # (mosaic_scan.py: warpgroup MMAs on shared-memory operands, a TMA pipeline one chunk ahead, state_tile and
