@@ -30,8 +30,14 @@ def _transforms(tile, itemsize=2):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _check(name, chunk, key_dim, value_dim, tile):
-    if tile not in TILES or value_dim % tile or chunk % 64 or key_dim % 64:
+def _fits(chunk, key_dim, value_dim, tile):
+    return tile in TILES and value_dim % tile == 0 and chunk % 64 == 0 and key_dim % 64 == 0
+
+
+def _check(name, arrays, chunk, key_dim, value_dim, tile):
+    if any(x.dtype != jnp.bfloat16 for x in arrays):
+        raise ValueError(f"mosaic {name}: the chunk tiles must be bf16, got {[str(x.dtype) for x in arrays]}")
+    if not _fits(chunk, key_dim, value_dim, tile):
         raise ValueError(f"mosaic {name}: the value tile must be one of {TILES} and divide V, and C and K multiples "
                          f"of 64; got tile={tile}, V={value_dim}, C={chunk}, K={key_dim}")
 
@@ -45,34 +51,53 @@ def _interpreted(interpret):
     return plgpu.force_gpu_interpret_mode(params)
 
 
-def supported(w, kd, u, *, tile=32):
-    """Whether the scans take these operands: bf16 w, kd, u; C and K multiples of 64; V a multiple of `tile`, one
-    of TILES."""
+def use(tuning, w, *others, tile):
+    """Whether a scan runs here (Tuning.mosaic_scan) rather than in its Triton kernel: asked for, with bf16 operand
+    products (scan_low_precision), bf16 chunk tiles w and `others` ([BN, HV, C, K] first, the values last) and a
+    layout the kernels take (_fits)."""
     chunk, key_dim = w.shape[2:]
-    return (all(x.dtype == jnp.bfloat16 for x in (w, kd, u)) and chunk % 64 == 0 and key_dim % 64 == 0
-            and tile in TILES and u.shape[-1] % tile == 0)
+    return bool(tuning.mosaic_scan and tuning.scan_low_precision
+                and all(x.dtype == jnp.bfloat16 for x in (w, *others))
+                and _fits(chunk, key_dim, others[-1].shape[-1], tile))
+
+
+def _load_state(src_g, smem, barrier):
+    """A [K, tile] fp32 state from global memory into registers (WGMMA layout), through `smem`."""
+    plgpu.copy_gmem_to_smem(src_g, smem, barrier)
+    plgpu.barrier_wait(barrier)
+    return plgpu.load(smem, (), layout=plgpu.Layout.WGMMA)
+
+
+def _store_state(state, smem, dst_g):
+    """The inverse of _load_state, waiting for the copy to finish."""
+    smem[...] = state
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, dst_g)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _load_decay(d_s, key_dim, tile):
+    """The chunk's decay D [K] from its pipeline buffer, broadcast over the value tile in the WGMMA layout."""
+    decay = plgpu.load(d_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    return plgpu.layout_cast(lax.broadcast_in_dim(decay, (key_dim, tile), (0,)), plgpu.Layout.WGMMA)
 
 
 def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
     """w, kd: [BN, HV, C, K]; u: [BN, HV, C, V] (bf16); d: [BN, HV, K] fp32; initial_state: [B, HV, K, V] fp32;
-    interpret: False, True or a plgpu.InterpretGPUParams (_interpreted). Returns (final state [B, HV, K, V] fp32, every chunk's incoming state [BN, HV, K, V] and v_new [BN, HV, C, V] in
-    u's dtype)."""
+    interpret: False, True or a plgpu.InterpretGPUParams (_interpreted). Returns (final state [B, HV, K, V] fp32,
+    every chunk's incoming state [BN, HV, K, V] and v_new [BN, HV, C, V] in u's dtype)."""
     chunks, value_heads, chunk, key_dim = w.shape
     value_dim = u.shape[-1]
     batch = initial_state.shape[0]
     num_chunks = chunks // batch
     dtype = u.dtype
-    if dtype != jnp.bfloat16 or w.dtype != dtype or kd.dtype != dtype:
-        raise ValueError(f"mosaic states_scan: w, kd, u must be bf16, got {w.dtype}, {kd.dtype}, {dtype}")
-    _check("states_scan", chunk, key_dim, value_dim, tile)
+    _check("states_scan", (w, kd, u), chunk, key_dim, value_dim, tile)
     operand = _transforms(tile)
 
     def body(w_g, kd_g, u_g, d_g, s0_g, s_out_g, states_g, v_new_g, s_smem, states_smem, v_new_smem, bar):
         b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
         rows, cols = pl.ds(b * num_chunks, num_chunks), pl.ds(t * tile, tile)
-        plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, cols], s_smem, bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
-        state = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA)
+        state = _load_state(s0_g.at[b, h, :, cols], s_smem, bar.at[0])
 
         def step(index, w_s, kd_s, u_s, d_s, state):
             n = index[0]
@@ -90,7 +115,7 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
             v_new = plgpu.load(u_s, (), layout=plgpu.Layout.WGMMA).astype(_F32) - pl.run_scoped(
                 w_state, plgpu.ACC((chunk, tile), _F32))
             # read before the warpgroup synchronises (commit_smem): once the step returns, the pipeline refills d_s
-            decay = plgpu.load(d_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            decay = _load_decay(d_s, key_dim, tile)
             v_new_s[...] = v_new.astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(v_new_s, v_new_g.at[b * num_chunks + n, h, :, cols])
@@ -99,7 +124,6 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
                 plgpu.wgmma(acc, kd_s.T, v_new_s)
                 return acc[...]
 
-            decay = plgpu.layout_cast(lax.broadcast_in_dim(decay, (key_dim, tile), (0,)), plgpu.Layout.WGMMA)
             return decay * state + pl.run_scoped(update, plgpu.ACC((key_dim, tile), _F32))
 
         keys = plgpu.BlockSpec((None, chunk, key_dim), lambda n: (n, 0, 0), transforms=operand)
@@ -109,10 +133,7 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
                       plgpu.BlockSpec((None, key_dim), lambda n: (n, 0))],
             max_concurrent_steps=2, init_carry=state)
         state = pipeline(w_g.at[rows, h], kd_g.at[rows, h], u_g.at[rows, h, :, cols], d_g.at[rows, h])
-        s_smem[...] = state
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s_smem, s_out_g.at[b, h, :, cols])
-        plgpu.wait_smem_to_gmem(0)
+        _store_state(state, s_smem, s_out_g.at[b, h, :, cols])
 
     kernel = plgpu.kernel(
         body,
@@ -139,19 +160,14 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
     batch, _, _, value_dim = ds_final.shape
     num_chunks = chunks // batch
     dtype = w.dtype
-    if any(x.dtype != jnp.bfloat16 for x in (w, qp, kd, do)):
-        raise ValueError(f"mosaic state_grad_scan: w, qp, kd, dO must be bf16, got {w.dtype}, {qp.dtype}, {kd.dtype}, "
-                         f"{do.dtype}")
-    _check("state_grad_scan", chunk, key_dim, value_dim, tile)
+    _check("state_grad_scan", (w, qp, kd, do), chunk, key_dim, value_dim, tile)
     operand = _transforms(tile)
 
     def body(w_g, qp_g, kd_g, d_g, do_g, ds_final_g, ds_chunk_g, dv_new_g, ds_init_g, ds_smem, ds_chunk_smem,
              dv_new_smem, neg_dv_smem, bar):
         b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
         rows, cols = pl.ds(b * num_chunks, num_chunks), pl.ds(t * tile, tile)
-        plgpu.copy_gmem_to_smem(ds_final_g.at[b, h, :, cols], ds_smem, bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
-        ds = plgpu.load(ds_smem, (), layout=plgpu.Layout.WGMMA)
+        ds = _load_state(ds_final_g.at[b, h, :, cols], ds_smem, bar.at[0])
 
         def step(index, w_s, qp_s, kd_s, d_s, do_s, ds):
             i = index[0]
@@ -168,7 +184,7 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
 
             dv_new = pl.run_scoped(kd_ds, plgpu.ACC((chunk, tile), _F32))
             # read before the warpgroup synchronises (commit_smem): once the step returns, the pipeline refills d_s
-            decay = plgpu.load(d_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            decay = _load_decay(d_s, key_dim, tile)
             dv_s[...] = dv_new
             neg_dv_smem[...] = (-dv_new).astype(dtype)  # -w^T dV_new accumulates with qp^T dO
             plgpu.commit_smem()
@@ -179,7 +195,6 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
                 plgpu.wgmma(acc, w_s.T, neg_dv_smem)
                 return acc[...]
 
-            decay = plgpu.layout_cast(lax.broadcast_in_dim(decay, (key_dim, tile), (0,)), plgpu.Layout.WGMMA)
             return decay * ds + pl.run_scoped(inputs, plgpu.ACC((key_dim, tile), _F32))
 
         last = num_chunks - 1
@@ -190,10 +205,7 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
                       plgpu.BlockSpec((None, chunk, tile), lambda i: (last - i, 0, 0), transforms=operand)],
             max_concurrent_steps=2, init_carry=ds)
         ds = pipeline(w_g.at[rows, h], qp_g.at[rows, h], kd_g.at[rows, h], d_g.at[rows, h], do_g.at[rows, :, h, cols])
-        ds_smem[...] = ds
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ds_smem, ds_init_g.at[b, h, :, cols])
-        plgpu.wait_smem_to_gmem(0)
+        _store_state(ds, ds_smem, ds_init_g.at[b, h, :, cols])
 
     fp32_tile = _transforms(tile, 4)
     kernel = plgpu.kernel(

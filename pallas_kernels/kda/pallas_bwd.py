@@ -69,8 +69,7 @@ def state_grad(w, qp, kd, d, do, ds_final, *, tuning, interpret, precision):
     chunks, value_heads, chunk, key_dim = w.shape
     batch, _, _, value_dim = ds_final.shape
     tile = min(tuning.state_grad_tile or tuning.state_tile, value_dim)
-    if (tuning.mosaic_scan and tuning.scan_low_precision and mosaic_scan.supported(w, kd, qp, tile=tile)
-            and do.dtype == w.dtype):
+    if mosaic_scan.use(tuning, w, qp, kd, do, tile=tile):
         return mosaic_scan.state_grad_scan(w, qp, kd, d, do, ds_final, tile=tile, interpret=interpret)
     keys, values, vector, states, time_major, state = sequence_specs(chunks // batch, key_dim, tile)
     return pl.pallas_call(

@@ -98,7 +98,7 @@ def _states_scan(w, kd, u, d, initial_state, *, tuning, interpret, precision):
     value_dim = u.shape[-1]
     batch = initial_state.shape[0]
     tile = min(tuning.state_tile, value_dim)
-    if tuning.mosaic_scan and tuning.scan_low_precision and mosaic_scan.supported(w, kd, u, tile=tile):
+    if mosaic_scan.use(tuning, w, kd, u, tile=tile):
         return mosaic_scan.states_scan(w, kd, u, d, initial_state, tile=tile, interpret=interpret)
     keys, values, vector, states, _, state = sequence_specs(chunks // batch, key_dim, tile)
     return pl.pallas_call(

@@ -655,8 +655,10 @@ def test_mosaic_reverse_state_scan_matches_the_triton_kernel(monkeypatch, tile):
 
 def test_mosaic_scan_rejects_a_tile_it_cannot_lay_out():
     from pallas_kernels.kda import mosaic_scan
+    from pallas_kernels.kda.pallas_fwd import Tuning
     w = jnp.zeros((2, 1, 64, 64), jnp.bfloat16)
-    assert not mosaic_scan.supported(w, w, jnp.zeros((2, 1, 64, 48), jnp.bfloat16), tile=48)
+    assert not mosaic_scan.use(Tuning(mosaic_scan=True), w, w, jnp.zeros((2, 1, 64, 48), jnp.bfloat16), tile=48)
+    assert mosaic_scan.use(Tuning(mosaic_scan=True), w, w, jnp.zeros((2, 1, 64, 32), jnp.bfloat16), tile=32)
     with pytest.raises(ValueError, match="value tile must be one of"):
         mosaic_scan.states_scan(w, w, jnp.zeros((2, 1, 64, 48), jnp.bfloat16), jnp.ones((2, 1, 64)),
                                 jnp.zeros((1, 1, 64, 48)), tile=48)
