@@ -376,14 +376,17 @@ def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, s
     before the solve, so that their registers are free during it."""
     aqk, akk = _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense, tile=tile,
                               gated_refs=out_refs[squares:] if gated else None, fused=fused)
-    scores, t_ref = out_refs[:squares - 1], out_refs[squares - 1]
-    if fused:
-        for ref, value in zip(scores, (aqk, akk)):
+    t_ref = out_refs[squares - 1]
+
+    def store_scores():
+        for ref, value in zip(out_refs[:squares - 1], (aqk, akk)):
             ref[...] = value.astype(ref.dtype)
+
+    if fused:
+        store_scores()
     t = _solve(beta_ref, akk)
     if not fused:
-        for ref, value in zip(scores, (aqk, akk)):
-            ref[...] = value.astype(ref.dtype)
+        store_scores()
     t_ref[...] = t.astype(t_ref.dtype)
 
 
