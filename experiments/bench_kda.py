@@ -363,6 +363,9 @@ def main(argv):
     from pallas_kernels.kda.pallas_fwd import Tuning
     start = time.perf_counter()
     tunings = [(name, Tuning.from_string(name)) for name in _tuning_names()]
+    pallas_variants = [v for v in FLAGS.variants if v.startswith("pallas")]
+    if not set(FLAGS.tuned) <= set(pallas_variants):
+        raise app.UsageError(f"--tuned must name Pallas variants of --variants {pallas_variants}, got {FLAGS.tuned}")
     shapes = [tuple(int(s) for s in shape.split("x")) for shape in FLAGS.shapes]
     fla_jobs = [dict(shape=shape, variant=v) for shape in shapes for v in FLAGS.variants if v.startswith("fla")]
     order = {v: i for i, v in enumerate(FLAGS.variants)}
