@@ -397,7 +397,11 @@ def main(argv):
                     print(f"deadline: {variant} {name} {shape} not run", flush=True)
                     continue
                 print(f"{variant} [{name}] {shape}", flush=True)
-                result, outs[variant] = bench_jax(shape, variant, tuning or Tuning(), name)
+                try:
+                    result, outs[variant] = bench_jax(shape, variant, tuning or Tuning(), name)
+                except Exception as err:  # one variant failing to lower or run must not cost the others' rows
+                    print(f"  FAILED {variant} [{name}] {shape}: {type(err).__name__}: {err}"[:2000], flush=True)
+                    continue
                 rows.append(dict(variant=variant, tuning=name, B=shape[0], T=shape[1], H=shape[2], D=shape[3],
                                  **result))
                 print(f"  {rows[-1]}", flush=True)
