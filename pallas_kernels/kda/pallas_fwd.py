@@ -81,14 +81,16 @@ class Tuning:
     # the left operand and the row blocks' operands side by side along the contraction (pallas_chunk.partial_scores),
     # instead of one masked [C, C] product per row block, each held in registers until it is masked and added; and
     # the scores stored before the solve. In the local sm_90a compile (bounded, 4 warps) the kernel's spills go from
-    # 276-280 B to none (249 registers). Not yet timed, so off (benchmarks/notes_kda.md v11).
-    fused_scores: bool = False
+    # 276-280 B to none (249 registers). Same run on an H100 (benchmarks/results/kda_v12_h100/): bounded forward at
+    # 1 x 32768 2.86 -> 2.68 ms, forward+backward 9.43 -> 9.24 (benchmarks/notes_kda.md v12).
+    fused_scores: bool = True
     # The state scans, forward (states alone, Tuning.separate_output) and reverse, as Mosaic GPU kernels
     # (mosaic_scan.py: warpgroup MMAs on shared-memory operands, a TMA pipeline one chunk ahead, state_tile and
     # state_grad_tile value channels per program: 16, 32 or 64) instead of the Triton lowering; bf16 inputs with
     # scan_low_precision, C and K multiples of 64 (else the Triton kernels run). They lower for CUDA and match the
-    # Triton kernels in interpret mode (Mosaic GPU's interpreter); not yet timed, so off.
-    mosaic_scan: bool = False
+    # Triton kernels in interpret mode (Mosaic GPU's interpreter). Same run on an H100 with fused_scores: bounded
+    # forward at 1 x 32768 2.68 -> 2.42 ms, forward+backward 9.24 -> 9.17 (benchmarks/notes_kda.md v12).
+    mosaic_scan: bool = True
     # Matmul operands of the forward's per-chunk kernels for 16-bit inputs: "tf32" (fp32 tiles), "bf16_scores" (bf16
     # in the decayed-score products only) or "bf16" (every product). fp32
     # accumulation throughout. "bf16" puts o at 0.9-1.0 of its bar (relative RMS 4.4e-3 at K = 128 on the H200,

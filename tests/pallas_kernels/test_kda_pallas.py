@@ -402,10 +402,10 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
                                                        ("output_from_scores=1,gated_inputs=both", False, None),
                                                        ("gated_inputs=none", True, -5.0),
                                                        ("scan_transposed=1", True, -5.0),
-                                                       ("fused_scores=1", True, -5.0),
-                                                       ("fused_scores=1,output_from_scores=1", False, None),
-                                                       ("mosaic_scan=1", False, -5.0),
-                                                       ("mosaic_scan=1", True, None)])
+                                                       ("fused_scores=0,mosaic_scan=0", True, -5.0),
+                                                       ("fused_scores=0,output_from_scores=1", False, None),
+                                                       ("mosaic_scan=0", False, -5.0),
+                                                       ("mosaic_scan=0", True, None)])
 def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     # Kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a Triton custom
     # call (what fails here would fail on the GPU before compiling). The inference forwards, and the unbounded
@@ -583,7 +583,7 @@ def _mosaic_against_triton(monkeypatch, run, kernel, tile_field, tile, reference
     from pallas_kernels.kda import mosaic_scan
     from pallas_kernels.kda.pallas_fwd import Tuning
     traced = _record_calls(monkeypatch, [(mosaic_scan, kernel)])
-    triton, mosaic = run(Tuning(**{tile_field: tile})), run(Tuning(**{tile_field: tile}, mosaic_scan=True))
+    triton, mosaic = run(Tuning(**{tile_field: tile}, mosaic_scan=False)), run(Tuning(**{tile_field: tile}, mosaic_scan=True))
     assert traced == [kernel]
     for name, a, b, c in zip(names, triton, mosaic, reference):
         a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
