@@ -2,7 +2,8 @@
 operands that a TMA pipeline (`plgpu.emit_pipeline`) loads one chunk ahead. states_scan has the contract of
 pallas_scan._states_scan with Tuning.scan_low_precision (the state and v_new rounded to bf16 as MMA operands, fp32
 accumulation, fp32 carried state): per (batch, value head, value tile), S <- D S + kd^T (u - w S), storing every
-chunk's incoming state and v_new. state_grad_scan is pallas_bwd.state_grad's reverse recurrence.
+chunk's incoming state and v_new. state_grad_scan is pallas_bwd.state_grad's reverse recurrence. states_output_scan
+(Tuning.mosaic_output) is the inference forward's scan with o computed in it instead of storing S and v_new.
 
 One warpgroup per program. Per chunk: the incoming state is stored (bf16) into a shared-memory buffer that a TMA
 store copies out and that is the right operand of v_new = u - w S ([C, K] x [K, Vt]); v_new likewise, the right
@@ -82,6 +83,25 @@ def _load_decay(d_s, key_dim, tile):
     return plgpu.layout_cast(lax.broadcast_in_dim(decay, (key_dim, tile), (0,)), plgpu.Layout.WGMMA)
 
 
+def _mma(shape, *products):
+    """The sum of the warpgroup MMAs a @ b over `products` ((a, b) shared-memory refs or views), in a scoped fp32
+    accumulator of `shape`, returned in registers (the read waits for the MMAs)."""
+
+    def run(acc):
+        for a, b in products:
+            plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, _F32))
+
+
+def _v_new_and_decay(u_s, w_s, state_s, d_s, key_dim, tile):
+    """v_new = u - w S (fp32, WGMMA layout) and the chunk's decay D, both read from the pipeline's buffers before the
+    warpgroup's next synchronisation (commit_smem): once the step returns, the pipeline refills them."""
+    v_new = plgpu.load(u_s, (), layout=plgpu.Layout.WGMMA).astype(_F32) - _mma((u_s.shape[0], tile), (w_s, state_s))
+    return v_new, _load_decay(d_s, key_dim, tile)
+
+
 def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
     """w, kd: [BN, HV, C, K]; u: [BN, HV, C, V] (bf16); d: [BN, HV, K] fp32; initial_state: [B, HV, K, V] fp32;
     interpret: False, True or a plgpu.InterpretGPUParams (_interpreted). Returns (final state [B, HV, K, V] fp32,
@@ -108,23 +128,11 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(states_s, states_g.at[b * num_chunks + n, h, :, cols])
 
-            def w_state(acc):
-                plgpu.wgmma(acc, w_s, states_s)
-                return acc[...]
-
-            v_new = plgpu.load(u_s, (), layout=plgpu.Layout.WGMMA).astype(_F32) - pl.run_scoped(
-                w_state, plgpu.ACC((chunk, tile), _F32))
-            # read before the warpgroup synchronises (commit_smem): once the step returns, the pipeline refills d_s
-            decay = _load_decay(d_s, key_dim, tile)
+            v_new, decay = _v_new_and_decay(u_s, w_s, states_s, d_s, key_dim, tile)
             v_new_s[...] = v_new.astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(v_new_s, v_new_g.at[b * num_chunks + n, h, :, cols])
-
-            def update(acc):
-                plgpu.wgmma(acc, kd_s.T, v_new_s)
-                return acc[...]
-
-            return decay * state + pl.run_scoped(update, plgpu.ACC((key_dim, tile), _F32))
+            return decay * state + _mma((key_dim, tile), (kd_s.T, v_new_s))
 
         keys = plgpu.BlockSpec((None, chunk, key_dim), lambda n: (n, 0, 0), transforms=operand)
         pipeline = plgpu.emit_pipeline(
@@ -149,6 +157,83 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
     )
     with _interpreted(interpret):
         return kernel(w, kd, u, d, initial_state)
+
+
+def states_output_scan(w, kd, u, d, qg, aqk, initial_state, *, out_dtype, tile=32, interpret=False):
+    """The inference forward's scan with o computed in it (Tuning.mosaic_output): per chunk, besides the recurrence of
+    states_scan, o = qg S + Aqk v_new from the incoming state and v_new while they sit in shared memory, so that
+    neither is written out and no output kernel reads them back. Aqk (fp32) enters the MMA as two bf16 parts, hi and
+    lo = Aqk - hi, whose products sum to more precision than TF32's. w, kd, qg: [BN, HV, C, K]; u: [BN, HV, C, V]
+    (bf16); d: [BN, HV, K] fp32; aqk: [BN, HV, C, C] fp32 or bf16; initial_state: [B, HV, K, V] fp32. Returns
+    (o [BN, C, HV, V] in out_dtype, final state [B, HV, K, V] fp32)."""
+    chunks, value_heads, chunk, key_dim = w.shape
+    value_dim = u.shape[-1]
+    batch = initial_state.shape[0]
+    num_chunks = chunks // batch
+    dtype = u.dtype
+    _check("states_output_scan", (w, kd, u, qg), chunk, key_dim, value_dim, tile)
+    operand = _transforms(tile)
+    split = aqk.dtype == _F32  # a bf16 Aqk is its own hi part
+
+    def body(w_g, kd_g, u_g, d_g, qg_g, aqk_g, s0_g, o_g, s_out_g, s_smem, state_smem, v_new_smem, parts_smem,
+             o_smem, bar):
+        b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
+        rows, cols = pl.ds(b * num_chunks, num_chunks), pl.ds(t * tile, tile)
+        state = _load_state(s0_g.at[b, h, :, cols], s_smem, bar.at[0])
+
+        def step(index, w_s, kd_s, u_s, d_s, qg_s, aqk_s, state):
+            n = index[0]
+            slot = lax.rem(n, 2)
+            scores = plgpu.load(aqk_s, (), layout=plgpu.Layout.WGMMA).astype(_F32)
+            hi = scores.astype(dtype)
+            parts_smem.at[0][...] = hi
+            if split:
+                parts_smem.at[1][...] = (scores - hi.astype(_F32)).astype(dtype)
+            state_smem[...] = state.astype(dtype)  # the MMAs' operand: S as they round it
+            plgpu.commit_smem()
+
+            v_new, decay = _v_new_and_decay(u_s, w_s, state_smem, d_s, key_dim, tile)
+            v_new_smem[...] = v_new.astype(dtype)
+            plgpu.commit_smem()
+            parts = [parts_smem.at[0]] + ([parts_smem.at[1]] if split else [])  # Aqk's hi (and lo) part
+            o = _mma((chunk, tile), (qg_s, state_smem), *((part, v_new_smem) for part in parts))
+            o_s = o_smem.at[slot]
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's store of two chunks ago has read it
+            o_s[...] = o.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_g.at[b * num_chunks + n, :, h, cols])
+            return decay * state + _mma((key_dim, tile), (kd_s.T, v_new_smem))
+
+        keys = plgpu.BlockSpec((None, chunk, key_dim), lambda n: (n, 0, 0), transforms=operand)
+        pipeline = plgpu.emit_pipeline(
+            step, grid=(num_chunks,),
+            in_specs=[keys, keys, plgpu.BlockSpec((None, chunk, tile), lambda n: (n, 0, 0), transforms=operand),
+                      plgpu.BlockSpec((None, key_dim), lambda n: (n, 0)), keys,
+                      plgpu.BlockSpec((None, chunk, chunk), lambda n: (n, 0, 0),
+                                      transforms=_transforms(chunk, aqk.dtype.itemsize))],
+            max_concurrent_steps=2, init_carry=state)
+        state = pipeline(w_g.at[rows, h], kd_g.at[rows, h], u_g.at[rows, h, :, cols], d_g.at[rows, h],
+                         qg_g.at[rows, h], aqk_g.at[rows, h])
+        plgpu.wait_smem_to_gmem(0)
+        _store_state(state, s_smem, s_out_g.at[b, h, :, cols])
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((chunks, chunk, value_heads, value_dim), out_dtype),
+                  jax.ShapeDtypeStruct(initial_state.shape, _F32)),
+        scratch_types=[plgpu.SMEM((key_dim, tile), _F32, transforms=_transforms(tile, 4)),
+                       plgpu.SMEM((key_dim, tile), dtype, transforms=operand),
+                       plgpu.SMEM((chunk, tile), dtype, transforms=operand),
+                       plgpu.SMEM((2, chunk, chunk), dtype, transforms=operand),
+                       plgpu.SMEM((2, chunk, tile), out_dtype,
+                                  transforms=_transforms(tile, jnp.dtype(out_dtype).itemsize)),
+                       plgpu.Barrier(num_barriers=1)],
+        grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"),
+        kernel_name="kda_states_output_fwd_mosaic",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )
+    with _interpreted(interpret):
+        return kernel(w, kd, u, d, qg, aqk, initial_state)
 
 
 def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
@@ -178,11 +263,7 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(ds_s, ds_chunk_g.at[n, h, :, cols])
 
-            def kd_ds(acc):
-                plgpu.wgmma(acc, kd_s, ds_s)
-                return acc[...]
-
-            dv_new = pl.run_scoped(kd_ds, plgpu.ACC((chunk, tile), _F32))
+            dv_new = _mma((chunk, tile), (kd_s, ds_s))
             # read before the warpgroup synchronises (commit_smem): once the step returns, the pipeline refills d_s
             decay = _load_decay(d_s, key_dim, tile)
             dv_s[...] = dv_new
@@ -190,12 +271,7 @@ def state_grad_scan(w, qp, kd, d, do, ds_final, *, tile=32, interpret=False):
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dv_s, dv_new_g.at[n, h, :, cols])
 
-            def inputs(acc):
-                plgpu.wgmma(acc, qp_s.T, do_s)
-                plgpu.wgmma(acc, w_s.T, neg_dv_smem)
-                return acc[...]
-
-            return decay * ds + pl.run_scoped(inputs, plgpu.ACC((key_dim, tile), _F32))
+            return decay * ds + _mma((key_dim, tile), (qp_s.T, do_s), (w_s.T, neg_dv_smem))
 
         last = num_chunks - 1
         keys = plgpu.BlockSpec((None, chunk, key_dim), lambda i: (last - i, 0, 0), transforms=operand)

@@ -91,6 +91,11 @@ class Tuning:
     # Triton kernels in interpret mode (Mosaic GPU's interpreter). Same run on an H100 with fused_scores: bounded
     # forward at 1 x 32768 2.68 -> 2.42 ms, forward+backward 9.24 -> 9.17 (benchmarks/notes_kda.md v12).
     mosaic_scan: bool = True
+    # The inference forward's scan with o computed inside it (mosaic_scan.states_output_scan), for the gated inputs
+    # with mosaic_scan's conditions: o = qg S + Aqk v_new while S and v_new are in shared memory, so that the chunk
+    # states and v_new are never written out and the per-chunk output kernel does not run. Interpret-verified and
+    # lowered for CUDA on the CPU; not yet timed, so off.
+    mosaic_output: bool = False
     # Matmul operands of the forward's per-chunk kernels for 16-bit inputs: "tf32" (fp32 tiles), "bf16_scores" (bf16
     # in the decayed-score products only) or "bf16" (every product). fp32
     # accumulation throughout. "bf16" puts o at 0.9-1.0 of its bar (relative RMS 4.4e-3 at K = 128 on the H200,

@@ -146,6 +146,10 @@ def scores_output_scan(w, kd, u, d, aqk, q, g, doc, doc_prev, initial_state, *, 
     _, value_heads, chunk, key_dim = w.shape
     value_dim = u.shape[-1]
     group = value_heads // q.shape[2]
+    tile = min(tuning.state_tile, value_dim)
+    if qg is not None and tuning.mosaic_output and mosaic_scan.use(tuning, w, kd, qg, u, tile=tile):
+        return mosaic_scan.states_output_scan(w, kd, u, d, qg, aqk, initial_state, out_dtype=out_dtype, tile=tile,
+                                              interpret=interpret)
     final, chunk_states, v_new = _states_scan(w, kd, u, d, initial_state, tuning=tuning, interpret=interpret,
                                               precision=precision)
     if qg is not None:

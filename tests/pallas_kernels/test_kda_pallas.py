@@ -405,7 +405,8 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
                                                        ("fused_scores=0,mosaic_scan=0", True, -5.0),
                                                        ("fused_scores=0,output_from_scores=1", False, None),
                                                        ("mosaic_scan=0", False, -5.0),
-                                                       ("mosaic_scan=0", True, None)])
+                                                       ("mosaic_scan=0", True, None),
+                                                       ("mosaic_output=1,output_from_scores=1", False, -5.0)])
 def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     # Kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a Triton custom
     # call (what fails here would fail on the GPU before compiling). The inference forwards, and the unbounded
@@ -430,12 +431,18 @@ def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     lean = "kda_lean_intra_fwd" if "split_intra=0" in tuning_text else "kda_lean_outputs_fwd"
-    names = (lean, "kda_scores_output_fwd") if not grads else ("kda_scores_fwd", "kda_input_bwd")
+    fused_output = tuning.mosaic_output and not grads  # the scan computes o: no output kernel
+    if grads:
+        names = ("kda_scores_fwd", "kda_input_bwd")
+    else:
+        names = (lean,) if fused_output else (lean, "kda_scores_output_fwd")
     assert all(name in text for name in names)
+    assert ("kda_scores_output_fwd" in text) == (not fused_output and not grads)
     # the Mosaic GPU state scans replace the forward scan (and the reverse one)
-    triton_calls = (3 if not grads else 8) - tuning.mosaic_scan * (2 if grads else 1)
+    triton_calls = (3 if not grads else 8) - tuning.mosaic_scan * (2 if grads else 1) - fused_output
     assert text.count("__gpu$xla.gpu.triton") >= triton_calls, text.count("__gpu$xla.gpu.triton")
-    mosaic = ["kda_states_fwd_mosaic"] + (["kda_state_bwd_mosaic"] if grads else [])
+    mosaic = (["kda_states_output_fwd_mosaic" if fused_output else "kda_states_fwd_mosaic"]
+              + (["kda_state_bwd_mosaic"] if grads else []))
     assert all((name in text) == tuning.mosaic_scan for name in mosaic)  # the state scans as Mosaic GPU kernels
     assert ("mosaic_gpu" in text) == tuning.mosaic_scan
 
@@ -583,7 +590,7 @@ def _mosaic_against_triton(monkeypatch, run, kernel, tile_field, tile, reference
     from pallas_kernels.kda import mosaic_scan
     from pallas_kernels.kda.pallas_fwd import Tuning
     traced = _record_calls(monkeypatch, [(mosaic_scan, kernel)])
-    triton, mosaic = run(Tuning(**{tile_field: tile}, mosaic_scan=False)), run(Tuning(**{tile_field: tile}, mosaic_scan=True))
+    triton, mosaic = (run(Tuning(**{tile_field: tile}, mosaic_scan=on)) for on in (False, True))
     assert traced == [kernel]
     for name, a, b, c in zip(names, triton, mosaic, reference):
         a, b, c = (np.asarray(x, np.float32) for x in (a, b, c))
@@ -617,23 +624,33 @@ def test_mosaic_state_scan_matches_the_triton_kernel(monkeypatch, tile):
                            mosaic_scan.states_scan_reference(w, kd, u, d, s0), ("final", "states", "v_new"), 1e-6)
 
 
-def test_mosaic_state_scan_in_the_whole_forward(monkeypatch):
-    # chunk_kda with Tuning(mosaic_scan=True) against the reference: the inference forward (o, state) and the training
-    # forward with its gradients (both scans in Mosaic GPU), documents inside chunks, an initial state, a padded length; K = 64 (the Mosaic
-    # kernel's smallest key width).
+def _mosaic_inference_forward(monkeypatch, tuning, seed, value_dim, recorded):
+    """chunk_kda's inference forward under `tuning` (interpret mode, bf16, bounded gate, K = 64: the Mosaic kernels'
+    smallest key width; three documents, one starting inside a chunk, an initial state, a padded length) with o and
+    the final state within the bf16 bar of the reference. Returns the inputs, the segment ids, the names of the
+    `recorded` mosaic_scan functions that ran in it, and the (emptied) list that goes on recording them."""
     from pallas_kernels.kda import mosaic_scan, pallas_op
-    from pallas_kernels.kda.pallas_fwd import Tuning
     monkeypatch.setattr(pallas_op, "lean_forward", lambda tuning, store: tuning.output_from_scores)
-    _interpret_with(monkeypatch, Tuning(mosaic_scan=True))
-    x = random_inputs(3, batch=1, seq_len=150, heads=1, value_heads=1, key_dim=64, value_dim=32, gate="bounded",
-                      g_min=-5.0, dtype=jnp.bfloat16)
+    _interpret_with(monkeypatch, tuning)
+    x = random_inputs(seed, batch=1, seq_len=150, heads=1, value_heads=1, key_dim=64, value_dim=value_dim,
+                      gate="bounded", g_min=-5.0, dtype=jnp.bfloat16)
     ids, args, forward = _three_document_forward(x, -5.0)
-    traced = _record_calls(monkeypatch, [(mosaic_scan, "states_scan"), (mosaic_scan, "state_grad_scan")])
+    traced = _record_calls(monkeypatch, [(mosaic_scan, name) for name in recorded])
     outs = forward("interpret")(*args)
-    assert traced
+    ran = list(traced)
     for name, a, b in zip(("o", "state"), forward("reference")(*args), outs):
         assert relative_rms_error(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 5e-3, name
     traced.clear()
+    return x, ids, ran, traced
+
+
+def test_mosaic_state_scan_in_the_whole_forward(monkeypatch):
+    # chunk_kda with Tuning(mosaic_scan=True) against the reference: the inference forward (o, state) and the training
+    # forward with its gradients (both scans in Mosaic GPU).
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    x, ids, ran, traced = _mosaic_inference_forward(monkeypatch, Tuning(mosaic_scan=True), 3, 32,
+                                                    ("states_scan", "state_grad_scan"))
+    assert ran == ["states_scan"]
     bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, -5.0, 64, ids, tol=bf16_bars)
     assert set(traced) == {"states_scan", "state_grad_scan"}  # the training forward's scan and the reverse scan
@@ -674,4 +691,39 @@ def test_mosaic_scans_have_no_data_races():
     params = plgpu.InterpretGPUParams(detect_races=True)
     jax.block_until_ready(mosaic_scan.states_scan(w, kd, u, d, s0, interpret=params))
     jax.block_until_ready(mosaic_scan.state_grad_scan(w, qp, kd, d, do, s0, interpret=params))
+    aqk = jnp.tril(jnp.ones((4, 1, 64, 64), jnp.float32))
+    jax.block_until_ready(mosaic_scan.states_output_scan(w, kd, u, d, qp, aqk, s0, out_dtype=jnp.bfloat16,
+                                                         interpret=params))
     assert not gpu_callbacks.get_races().races_found
+
+
+@pytest.mark.parametrize("tile", [16, 32, 64])
+def test_mosaic_states_output_scan_matches_reference(tile):
+    # Tuning(mosaic_output=True)'s kernel: the forward state scan with o = qg S + Aqk v_new computed in it, in Mosaic
+    # GPU's interpreter, against the jnp recurrence; two sequences, two heads. With an fp32 output the split of Aqk
+    # into bf16 hi and lo parts must be far closer than Aqk rounded to bf16 alone (1e-3 here).
+    from pallas_kernels.kda import mosaic_scan
+    rng = np.random.default_rng(tile)
+    (w, qg, kd), u, _, d, s0 = _scan_operands(rng, 2, 3, 2, 64, 64, 64)
+    aqk = jnp.asarray(np.tril(rng.normal(size=(6, 2, 64, 64)) * 0.1), jnp.float32)
+    final_ref, states, v_new = mosaic_scan.states_scan_reference(w, kd, u, d, s0)
+    mm = lambda spec, a, b: jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32),  # noqa: E731
+                                       precision=jax.lax.Precision.HIGHEST)
+    o_ref = mm("nhck,nhkv->nchv", qg, states) + mm("nhcs,nhsv->nchv", aqk, v_new)
+    for out_dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 5e-3)):
+        o, final = mosaic_scan.states_output_scan(w, kd, u, d, qg, aqk, s0, out_dtype=out_dtype, tile=tile,
+                                                  interpret=True)
+        assert o.dtype == out_dtype and o.shape == (6, 64, 2, 64)
+        assert relative_rms_error(np.asarray(final_ref), np.asarray(final)) < 1e-6
+        assert relative_rms_error(np.asarray(o_ref), np.asarray(o, np.float32)) < tol, out_dtype
+    hi_only = mm("nhck,nhkv->nchv", qg, states) + mm("nhcs,nhsv->nchv", aqk.astype(jnp.bfloat16), v_new)
+    assert relative_rms_error(np.asarray(o_ref), np.asarray(hi_only)) > 1e-4  # the lo part matters at this tolerance
+
+
+def test_mosaic_output_in_the_inference_forward(monkeypatch):
+    # chunk_kda's inference forward with Tuning(mosaic_output=True) against the reference, K = V = 64 (the gated
+    # inputs need K = V); the fused kernel must be the one that ran.
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    _, _, ran, _ = _mosaic_inference_forward(monkeypatch, Tuning(mosaic_output=True), 5, 64,
+                                             ("states_output_scan", "states_scan"))
+    assert ran == ["states_output_scan"]
