@@ -697,7 +697,7 @@ def test_mosaic_scans_have_no_data_races():
     assert not gpu_callbacks.get_races().races_found
 
 
-@pytest.mark.parametrize("tile", [16, 32, 64])
+@pytest.mark.parametrize("tile", [32] + [pytest.param(t, marks=pytest.mark.slow) for t in (16, 64)])
 def test_mosaic_states_output_scan_matches_reference(tile):
     # Tuning(mosaic_output=True)'s kernel: the forward state scan with o = qg S + Aqk v_new computed in it, in Mosaic
     # GPU's interpreter, against the jnp recurrence; two sequences, two heads. With an fp32 output the split of Aqk
