@@ -214,8 +214,7 @@ def states_output_scan(w, kd, u, d, qg, aqk, initial_state, *, out_dtype, tile=3
             max_concurrent_steps=2, init_carry=state)
         state = pipeline(w_g.at[rows, h], kd_g.at[rows, h], u_g.at[rows, h, :, cols], d_g.at[rows, h],
                          qg_g.at[rows, h], aqk_g.at[rows, h])
-        plgpu.wait_smem_to_gmem(0)
-        _store_state(state, s_smem, s_out_g.at[b, h, :, cols])
+        _store_state(state, s_smem, s_out_g.at[b, h, :, cols])  # its wait covers the last chunks' o stores too
 
     kernel = plgpu.kernel(
         body,
