@@ -115,6 +115,13 @@ class Tuning:
     # diagonal blocks (pallas_blocks.pairwise_levels, a second pass over the key tiles) compile without spills at 8
     # (4: 768 B) and run 6% faster there (H100).
     pairwise_warps: int = 8
+    # Unbounded gate, split forward: the exact diagonal blocks of Aqk and Akk in a kernel of their own, parallel over
+    # 16-row blocks (diagonal_scores: per column, the row block's decayed products with that key, as fla's
+    # token-parallel kernel does, elementwise in fp32 with every factor <= 1), which the scores kernel then adds,
+    # instead of pairwise_levels' four masked whole-chunk products per key tile in a second pass of the scores kernel
+    # (255 registers at 8 warps in the local sm_90a compile). Opt-in until timed on a GPU.
+    diagonal_kernel: bool = False
+    diagonal_warps: int = 4
     # Input backward: "rows" (one 16-row block at a time: [R, C] x [C, Kt] products, a quarter of the masked whole-tile
     # ones' multiply-adds, [R, Kt] results live), "tiles" (whole [C, Kt] tiles: masked [C, C] x [C, Kt] products,
     # which Triton issues as warpgroup MMAs) or "auto": rows for the unbounded gate (the pairwise diagonal's
@@ -274,11 +281,11 @@ def _write_gated(x, gates, cols, qg_ref, kb_ref, kd_ref, d_ref):
 
 
 def _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, gated_refs=None,
-                   fused=False):
+                   fused=False, diagonal_refs=None):
     """Aqk, Akk (masked) [C, C] of a chunk, summing the scores over key tiles; with gated_refs (the qg, kb, kd, d
     refs), also the gated inputs of each key tile (_write_gated); fused: pallas_chunk.partial_scores(fused=True).
     Unbounded: the exact diagonal blocks in a second pass over the key tiles (pallas_blocks.pairwise_levels), so that
-    nothing of the first is live beside them."""
+    nothing of the first is live beside them, or read from diagonal_refs (diagonal_scores' Aqk and Akk blocks)."""
     size, key_dim = q_ref.shape
     rows = _chunk_rows(beta_ref, doc_ref, prev_ref)
     tile_input = lambda j, rows=None: _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref,  # noqa: E731
@@ -299,7 +306,9 @@ def _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
 
     zeros = jnp.zeros((size, size), _F32)
     aqk, akk = lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros))
-    if not dense:
+    if diagonal_refs is not None:
+        aqk, akk = aqk + diagonal_refs[0][...], akk + diagonal_refs[1][...]
+    elif not dense:
         aqk, akk = lax.fori_loop(0, key_dim // tile, add_diagonal, (aqk, akk))
     return mask_scores(doc_ref[...], aqk, akk)  # loaded again: nothing of the first pass lives through the second
 
@@ -375,14 +384,17 @@ def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, 
 
 
 @with_precision
-def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *out_refs, scale, dense, tile, squares, gated,
-                  fused):
-    """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve. out_refs: Aqk, Akk, T
-    (squares = 3; Akk is kept for the backward only) or Aqk, T (squares = 2), then with `gated` the qg, kb, kd, d refs
-    of the gated inputs. fused (Tuning.fused_scores): each score one product per key tile, and the scores stored
-    before the solve, so that their registers are free during it."""
+def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *refs, scale, dense, tile, squares, gated,
+                  fused, diagonal):
+    """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve. refs: with `diagonal`
+    first the diagonal blocks of Aqk and Akk (diagonal_scores); then the outputs: Aqk, Akk, T (squares = 3; Akk is
+    kept for the backward only) or Aqk, T (squares = 2), then with `gated` the qg, kb, kd, d refs of the gated
+    inputs. fused (Tuning.fused_scores): each score one product per key tile, and the scores stored before the solve,
+    so that their registers are free during it."""
+    diagonal_refs, out_refs = (refs[:2], refs[2:]) if diagonal else (None, refs)
     aqk, akk = _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense, tile=tile,
-                              gated_refs=out_refs[squares:] if gated else None, fused=fused)
+                              gated_refs=out_refs[squares:] if gated else None, fused=fused,
+                              diagonal_refs=diagonal_refs)
     t_ref = out_refs[squares - 1]
 
     def store_scores():
@@ -469,6 +481,58 @@ def output_tile(tuning, key_dim, value_dim):
     return tile
 
 
+def _diagonal_kernel(q_ref, k_ref, g_ref, aqk_ref, akk_ref, *, scale):
+    """One 16-row block's diagonal block of Aqk and Akk, exact for any decay: column c of the block is
+    sum_d x[r, d] k[c, d] e^(gam[r, d] - gam[c, d]) for rows r >= c (0 above), with gam the cumulative gate within the
+    block, so every exponent is <= 0. Elementwise fp32 over [R, K] tiles, one key row (loaded from its ref) per column.
+    Writes the block's R rows of the [C, C] scores, zero outside the diagonal block."""
+    rows, _ = q_ref.shape
+    size = aqk_ref.shape[1]
+    block = pl.program_id(2)
+    q = q_ref[...].astype(_F32) * scale
+    k = k_ref[...].astype(_F32)
+    gam = blk.cumsum_rows(g_ref[...].astype(_F32))
+    row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    col = lax.broadcasted_iota(jnp.int32, (rows, size), 1) - block * rows
+
+    def column(c, carry):
+        aqk, akk, gam_c = carry
+        gam_c = gam_c + g_ref[pl.ds(c, 1), :].astype(_F32)  # the running cumulative gate, row c
+        key = k_ref[pl.ds(c, 1), :].astype(_F32) * jnp.exp(jnp.where(row >= c, gam - gam_c, -jnp.inf))
+        here = col == c
+        aqk = jnp.where(here, jnp.sum(q * key, axis=1, keepdims=True), aqk)
+        akk = jnp.where(here, jnp.sum(k * key, axis=1, keepdims=True), akk)
+        return aqk, akk, gam_c
+
+    zeros = jnp.zeros((rows, size), _F32)
+    aqk, akk, _ = lax.fori_loop(0, rows, column, (zeros, zeros, jnp.zeros((1, q.shape[1]), _F32)))
+    aqk_ref[...] = aqk
+    akk_ref[...] = akk
+
+
+def diagonal_scores(q, k, g, *, scale, warps, interpret):
+    """The diagonal 16-row blocks of Aqk and Akk (unmasked, exact for any decay; Tuning.diagonal_kernel): q, k
+    [BN, C, H, K], g [BN, C, HV, K] -> two [BN, HV, C, C] fp32 arrays, zero off the diagonal blocks. Grid (chunks,
+    value heads, row blocks)."""
+    chunks, chunk, heads, key_dim = q.shape
+    value_heads = g.shape[2]
+    group, rows = value_heads // heads, blk.ROWS
+    qk = pl.BlockSpec((None, rows, None, key_dim), lambda n, h, b: (n, b, h // group, 0))
+    gate = pl.BlockSpec((None, rows, None, key_dim), lambda n, h, b: (n, b, h, 0))
+    out = pl.BlockSpec((None, None, rows, chunk), lambda n, h, b: (n, h, b, 0))
+    square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), _F32)
+    return pl.pallas_call(
+        functools.partial(_diagonal_kernel, scale=scale),
+        grid=(chunks, value_heads, chunk // rows),
+        in_specs=[qk, qk, gate],
+        out_specs=[out, out],
+        out_shape=[square, square],
+        compiler_params=compiler_params(warps),
+        interpret=interpret,
+        name="kda_diagonal_fwd",
+    )(q, k, g)
+
+
 def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype,
                          save_scores, lean=False):
     """intra_forward as three kernels: scores and solve per chunk, then outputs per (chunk, channel tile)."""
@@ -482,22 +546,23 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     gated = key_dim == value_dim and tuning.gated_inputs in (("bounded", "both") if dense else ("both",))
     squares = 2 if lean else 3  # Aqk, (Akk,) T
     out_specs, out_shape = [chunk_tile(chunk, chunk)] * squares, [square] * squares
+    diagonal = not dense and tuning.diagonal_kernel and chunk % blk.ROWS == 0
+    extra = diagonal_scores(q, k, g, scale=scale, warps=tuning.diagonal_warps, interpret=interpret) if diagonal else ()
     if gated:  # then qg, kb, kd [BN, HV, C, K] and d [BN, HV, K]
         out_specs += [chunk_tile(chunk, key_dim)] * 3 + [chunk_vector(key_dim)]
         out_shape += [jax.ShapeDtypeStruct((chunks, value_heads, chunk, key_dim), store_dtype)] * 3 + [
             jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)]
     outs = pl.pallas_call(
         functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
-                          fused=tuning.fused_scores,
-                          squares=squares, gated=gated),
+                          fused=tuning.fused_scores, squares=squares, gated=gated, diagonal=diagonal),
         grid=(chunks, value_heads),
-        in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]],
+        in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]] + [chunk_tile(chunk, chunk)] * len(extra),
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=compiler_params(tuning.intra_warps if dense else tuning.pairwise_warps),
+        compiler_params=compiler_params(tuning.intra_warps if dense or diagonal else tuning.pairwise_warps),
         interpret=interpret,
         name="kda_scores_fwd",
-    )(q, k, g, beta, doc, doc_prev)
+    )(q, k, g, beta, doc, doc_prev, *extra)
     (aqk, t), akk = (outs[:2], None) if lean else (outs[0:3:2], outs[1])
     tile = output_tile(tuning, key_dim, value_dim)
     qk = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h // group, j))
