@@ -307,7 +307,7 @@ def _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
     zeros = jnp.zeros((size, size), _F32)
     aqk, akk = lax.fori_loop(0, key_dim // tile, add_scores, (zeros, zeros))
     if diagonal_refs is not None:
-        aqk, akk = aqk + diagonal_refs[0][...], akk + diagonal_refs[1][...]
+        aqk, akk = aqk + block_diagonal(diagonal_refs[0][...]), akk + block_diagonal(diagonal_refs[1][...])
     elif not dense:
         aqk, akk = lax.fori_loop(0, key_dim // tile, add_diagonal, (aqk, akk))
     return mask_scores(doc_ref[...], aqk, akk)  # loaded again: nothing of the first pass lives through the second
@@ -482,18 +482,16 @@ def output_tile(tuning, key_dim, value_dim):
 
 
 def _diagonal_kernel(q_ref, k_ref, g_ref, aqk_ref, akk_ref, *, scale):
-    """One 16-row block's diagonal block of Aqk and Akk, exact for any decay: column c of the block is
+    """One 16-row block's diagonal block of Aqk and Akk [R, R], exact for any decay: column c is
     sum_d x[r, d] k[c, d] e^(gam[r, d] - gam[c, d]) for rows r >= c (0 above), with gam the cumulative gate within the
-    block, so every exponent is <= 0. Elementwise fp32 over [R, K] tiles, one key row (loaded from its ref) per column.
-    Writes the block's R rows of the [C, C] scores, zero outside the diagonal block."""
+    block, so every exponent is <= 0. Elementwise fp32 over [R, K] tiles, one key row (loaded from its ref) per
+    column."""
     rows, _ = q_ref.shape
-    size = aqk_ref.shape[1]
-    block = pl.program_id(2)
     q = q_ref[...].astype(_F32) * scale
     k = k_ref[...].astype(_F32)
     gam = blk.cumsum_rows(g_ref[...].astype(_F32))
     row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-    col = lax.broadcasted_iota(jnp.int32, (rows, size), 1) - block * rows
+    col = lax.broadcasted_iota(jnp.int32, (rows, rows), 1)
 
     def column(c, carry):
         aqk, akk, gam_c = carry
@@ -504,7 +502,7 @@ def _diagonal_kernel(q_ref, k_ref, g_ref, aqk_ref, akk_ref, *, scale):
         akk = jnp.where(here, jnp.sum(k * key, axis=1, keepdims=True), akk)
         return aqk, akk, gam_c
 
-    zeros = jnp.zeros((rows, size), _F32)
+    zeros = jnp.zeros((rows, rows), _F32)
     aqk, akk, _ = lax.fori_loop(0, rows, column, (zeros, zeros, jnp.zeros((1, q.shape[1]), _F32)))
     aqk_ref[...] = aqk
     akk_ref[...] = akk
@@ -512,25 +510,38 @@ def _diagonal_kernel(q_ref, k_ref, g_ref, aqk_ref, akk_ref, *, scale):
 
 def diagonal_scores(q, k, g, *, scale, warps, interpret):
     """The diagonal 16-row blocks of Aqk and Akk (unmasked, exact for any decay; Tuning.diagonal_kernel): q, k
-    [BN, C, H, K], g [BN, C, HV, K] -> two [BN, HV, C, C] fp32 arrays, zero off the diagonal blocks. Grid (chunks,
-    value heads, row blocks)."""
+    [BN, C, H, K], g [BN, C, HV, K] -> two [BN, HV, C, R] fp32 arrays, row r's block in its R columns (block_diagonal
+    spreads them). Grid (chunks, value heads, row blocks)."""
     chunks, chunk, heads, key_dim = q.shape
     value_heads = g.shape[2]
     group, rows = value_heads // heads, blk.ROWS
     qk = pl.BlockSpec((None, rows, None, key_dim), lambda n, h, b: (n, b, h // group, 0))
     gate = pl.BlockSpec((None, rows, None, key_dim), lambda n, h, b: (n, b, h, 0))
-    out = pl.BlockSpec((None, None, rows, chunk), lambda n, h, b: (n, h, b, 0))
-    square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), _F32)
+    out = pl.BlockSpec((None, None, rows, rows), lambda n, h, b: (n, h, b, 0))
+    blocks = jax.ShapeDtypeStruct((chunks, value_heads, chunk, rows), _F32)
     return pl.pallas_call(
         functools.partial(_diagonal_kernel, scale=scale),
         grid=(chunks, value_heads, chunk // rows),
         in_specs=[qk, qk, gate],
         out_specs=[out, out],
-        out_shape=[square, square],
+        out_shape=[blocks, blocks],
         compiler_params=compiler_params(warps),
         interpret=interpret,
         name="kda_diagonal_fwd",
     )(q, k, g)
+
+
+def block_diagonal(blocks):
+    """[C, R] diagonal blocks (diagonal_scores) -> the [C, C] matrix holding them, zero elsewhere: a product with a
+    one-hot [R, C] spread in IEEE fp32 (exact: every sum has one non-zero term), then the block mask."""
+    size, rows = blocks.shape
+    spread = (lax.broadcasted_iota(jnp.int32, (rows, size), 1) % rows
+              == lax.broadcasted_iota(jnp.int32, (rows, size), 0)).astype(_F32)
+    full = lax.dot_general(blocks, spread, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=_F32)
+    same = (lax.broadcasted_iota(jnp.int32, (size, size), 0) // rows
+            == lax.broadcasted_iota(jnp.int32, (size, size), 1) // rows)
+    return jnp.where(same, full, 0.0)
 
 
 def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype,
@@ -556,7 +567,7 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
         functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
                           fused=tuning.fused_scores, squares=squares, gated=gated, diagonal=diagonal),
         grid=(chunks, value_heads),
-        in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]] + [chunk_tile(chunk, chunk)] * len(extra),
+        in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]] + [chunk_tile(chunk, blk.ROWS)] * len(extra),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(tuning.intra_warps if dense or diagonal else tuning.pairwise_warps),

@@ -341,11 +341,12 @@ def test_diagonal_kernel_matches_the_pairwise_definition(steepness):
     # Tuning.diagonal_kernel's kernel (interpret mode) on two 64-row chunks, GVA (two value heads on one q/k head),
     # against A[a, c] = sum_d scale q k e^(gam_a - gam_c) (a >= c in one 16-row block, gam the gate's cumulative sum
     # within the block) in float64: the same values, all finite even at -60 per step, zero elsewhere.
-    from pallas_kernels.kda.pallas_fwd import diagonal_scores
+    from pallas_kernels.kda.pallas_fwd import block_diagonal, diagonal_scores
     rng = np.random.default_rng(5)
     q, k = (rng.standard_normal((2, 64, 1, 32)).astype(np.float32) for _ in range(2))
     g = (-steepness * rng.random((2, 64, 2, 32))).astype(np.float32)
-    aqk, akk = diagonal_scores(*map(jnp.asarray, (q, k, g)), scale=0.3, warps=4, interpret=True)
+    blocks = diagonal_scores(*map(jnp.asarray, (q, k, g)), scale=0.3, warps=4, interpret=True)
+    aqk, akk = (jax.vmap(jax.vmap(block_diagonal))(b) for b in blocks)
     a, c = np.arange(64)[:, None], np.arange(64)[None, :]
     pairs = (a >= c) & (a // 16 == c // 16)
     gam = np.cumsum(g.reshape(2, 4, 16, 2, 32).astype(np.float64), axis=2).reshape(2, 64, 2, 32)
