@@ -155,7 +155,7 @@ def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_re
 
 @with_precision
 def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_ref, dakk_ref, dkb_ref,
-                                 dqp_ref, dkd_ref, dd_ref, dq_ref, dk_ref, dg_ref, *, scale, dense):
+                                 dqp_ref, dkd_ref, dd_ref, *refs, scale, dense, diagonal=False):
     """backward_inputs one 16-row block at a time, last block first, writing each block's rows of dq, dk, dg.
 
     Row side of block b (its queries and keys against earlier columns): [R, C] score-gradient rows times the [C, Kt]
@@ -164,8 +164,10 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
     diagonal block; on it, under the bound, <= e^(15 |g_min|)). Every product is [R, C] x [C, Kt], a quarter of
     the masked [C, C] x [C, Kt] ones of the whole-tile kernel, and only [R, Kt] results are live. The suffix sums of
     dg cross blocks through a [1, Kt] carry. Unbounded: the diagonal block by nested pair groups
-    (pallas_blocks.pairwise_levels_grads), as in the whole-tile kernel.
+    (pallas_blocks.pairwise_levels_grads), as in the whole-tile kernel, or with `diagonal` read from refs (first in
+    refs: diagonal_grads' dx_q, dx_k, dy; then dq, dk, dg).
     """
+    diagonal_refs, (dq_ref, dk_ref, dg_ref) = (refs[:3], refs[3:]) if diagonal else (None, refs)
     size, key_tile = q_ref.shape
     x = ref_chunk(q_ref, k_ref, None, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
     gam = cumsum_rows(x.g)
@@ -212,7 +214,10 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
         else:
             dyk = jnp.zeros((ROWS, key_tile), _F32)
         q_b, k_b = load(q_ref, rows) * scale, load(k_ref, rows)
-        if not dense:
+        if diagonal:
+            dxq, dxk, dyk = (dxq + load(diagonal_refs[0], rows), dxk + load(diagonal_refs[1], rows),
+                             dyk + load(diagonal_refs[2], rows))
+        elif not dense:
             eye = lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0) == lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 1)
             daqk_bb = jnp.where(eye, 0.0, load(daqk_ref, rows, rows))
             dscores = (daqk_bb, load(dakk_ref, rows, rows))
@@ -273,6 +278,58 @@ def _tiled_score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, a
     dbeta = dbeta + jnp.sum(dl * akk_ref[...].astype(_F32), axis=1)
     daqk_ref[...], dakk_ref[...] = daqk.astype(daqk_ref.dtype), (beta * dl).astype(dakk_ref.dtype)
     dbeta_ref[...] = dbeta
+
+
+def _diagonal_grad_kernel(q_ref, k_ref, g_ref, daqk_ref, dakk_ref, dxq_ref, dxk_ref, dy_ref, *, scale):
+    """Backward of pallas_fwd._diagonal_kernel for one 16-row block: with e_rc = e^(gam_r - gam_c) (r > c, every
+    exponent <= 0), dx_q[r] = sum_c dAqk[r, c] k_c e_rc, dx_k[r] = sum_c dAkk[r, c] k_c e_rc and
+    dy[c] = sum_r (dAqk[r, c] q_r + dAkk[r, c] k_r) e_rc, elementwise fp32, one key row per column. dAqk's diagonal
+    (decay 1) is left to the caller, as in pairwise_levels_grads."""
+    rows, key_dim = q_ref.shape
+    q = q_ref[...].astype(_F32) * scale
+    k = k_ref[...].astype(_F32)
+    gam = cumsum_rows(g_ref[...].astype(_F32))
+    row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    col = lax.broadcasted_iota(jnp.int32, (rows, rows), 1)
+    daqk, dakk = daqk_ref[...].astype(_F32), dakk_ref[...].astype(_F32)
+
+    def column(c, carry):
+        dxq, dxk, dy, gam_c = carry
+        gam_c = gam_c + g_ref[pl.ds(c, 1), :].astype(_F32)
+        decay = jnp.exp(jnp.where(row > c, gam - gam_c, -jnp.inf))
+        key = k_ref[pl.ds(c, 1), :].astype(_F32) * decay
+        here = col == c
+        daqk_c = jnp.sum(jnp.where(here, daqk, 0.0), axis=1, keepdims=True)  # column c, [R, 1]
+        dakk_c = jnp.sum(jnp.where(here, dakk, 0.0), axis=1, keepdims=True)
+        dy_c = jnp.sum((daqk_c * q + dakk_c * k) * decay, axis=0, keepdims=True)
+        return dxq + daqk_c * key, dxk + dakk_c * key, jnp.where(row == c, dy_c, dy), gam_c
+
+    zeros = jnp.zeros((rows, key_dim), _F32)
+    dxq, dxk, dy, _ = lax.fori_loop(0, rows, column, (zeros, zeros, zeros, jnp.zeros((1, key_dim), _F32)))
+    dxq_ref[...], dxk_ref[...], dy_ref[...] = dxq, dxk, dy
+
+
+def diagonal_grads(q, k, g, daqk, dakk, *, scale, warps, interpret):
+    """Backward of pallas_fwd.diagonal_scores (Tuning.diagonal_kernel) from the score gradients dAqk, dAkk
+    [BN, HV, C, C] (their diagonal blocks only): dx_q, dx_k, dy [BN, HV, C, K] fp32 (see _diagonal_grad_kernel), which
+    the row-block input backward adds in place of pairwise_levels_grads. Grid (chunks, value heads, row blocks)."""
+    chunks, chunk, heads, key_dim = q.shape
+    value_heads = g.shape[2]
+    group, rows = value_heads // heads, ROWS
+    qk = pl.BlockSpec((None, rows, None, key_dim), lambda n, h, b: (n, b, h // group, 0))
+    gate = pl.BlockSpec((None, rows, None, key_dim), lambda n, h, b: (n, b, h, 0))
+    block = pl.BlockSpec((None, None, rows, rows), lambda n, h, b: (n, h, b, b))
+    out = pl.BlockSpec((None, None, rows, key_dim), lambda n, h, b: (n, h, b, 0))
+    return pl.pallas_call(
+        functools.partial(_diagonal_grad_kernel, scale=scale),
+        grid=(chunks, value_heads, chunk // rows),
+        in_specs=[qk, qk, gate, block, block],
+        out_specs=[out] * 3,
+        out_shape=[jax.ShapeDtypeStruct((chunks, value_heads, chunk, key_dim), _F32)] * 3,
+        compiler_params=compiler_params(warps),
+        interpret=interpret,
+        name="kda_diagonal_bwd",
+    )(q, k, g, daqk, dakk)
 
 
 def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd, dd, *, scale, dense, tuning,
@@ -345,18 +402,21 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
     rows = pl.BlockSpec((None, chunk, None), lambda n, h, j: (n, 0, h))
     doc_spec = pl.BlockSpec((None, chunk), lambda n, h, j: (n, 0))
     dd_spec = pl.BlockSpec((None, None, kt), lambda n, h, j: (n, h, j))
-    kernel = _input_grad_kernel
+    kernel, extra = functools.partial(_input_grad_kernel, dense=dense), ()
     if input_bwd_rows(tuning, dense, q.dtype):
-        kernel = _row_block_input_grad_kernel
+        diagonal = not dense and tuning.diagonal_kernel and chunk % ROWS == 0
+        kernel = functools.partial(_row_block_input_grad_kernel, dense=dense, diagonal=diagonal)
+        if diagonal:
+            extra = diagonal_grads(q, k, g, daqk, dakk, scale=scale, warps=tuning.diagonal_warps, interpret=interpret)
     dq, dk, dg = pl.pallas_call(
-        functools.partial(kernel, scale=scale, dense=dense,
-                          precision=intra_precision(tuning, precision, q.dtype, backward=True)),
+        functools.partial(kernel, scale=scale, precision=intra_precision(tuning, precision, q.dtype, backward=True)),
         grid=(chunks, value_heads, key_dim // kt),
-        in_specs=[qk, qk, head_k, rows, doc_spec, doc_spec, scores, scores, tile_k, tile_k, tile_k, dd_spec],
+        in_specs=[qk, qk, head_k, rows, doc_spec, doc_spec, scores, scores, tile_k, tile_k, tile_k, dd_spec] + [
+            tile_k] * len(extra),
         out_specs=[head_k] * 3,
         out_shape=[shape(key_dim, out_dtype)] * 2 + [shape(key_dim)],
         compiler_params=compiler_params(tuning.input_bwd_warps),
         interpret=interpret,
         name="kda_input_bwd",
-    )(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd)
+    )(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *extra)
     return dq, dk, dg

@@ -337,43 +337,56 @@ def test_unbounded_gate_in_the_split_kernels_matches_reference(monkeypatch, dtyp
 
 
 @pytest.mark.parametrize("steepness", [0.5, 60.0])
-def test_diagonal_kernel_matches_the_pairwise_definition(steepness):
-    # Tuning.diagonal_kernel's kernel (interpret mode) on two 64-row chunks, GVA (two value heads on one q/k head),
+def test_diagonal_kernels_match_the_pairwise_definition(steepness):
+    # Tuning.diagonal_kernel's kernels (interpret mode) on two 64-row chunks, GVA (two value heads on one q/k head),
     # against A[a, c] = sum_d scale q k e^(gam_a - gam_c) (a >= c in one 16-row block, gam the gate's cumulative sum
-    # within the block) in float64: the same values, all finite even at -60 per step, zero elsewhere.
+    # within the block) and its gradients in float64: the same values, all finite even at -60 per step (every factor
+    # must stay <= 1), zero off the diagonal blocks.
+    from pallas_kernels.kda.pallas_bwd import diagonal_grads
     from pallas_kernels.kda.pallas_fwd import block_diagonal, diagonal_scores
     rng = np.random.default_rng(5)
     q, k = (rng.standard_normal((2, 64, 1, 32)).astype(np.float32) for _ in range(2))
     g = (-steepness * rng.random((2, 64, 2, 32))).astype(np.float32)
-    blocks = diagonal_scores(*map(jnp.asarray, (q, k, g)), scale=0.3, warps=4, interpret=True)
-    aqk, akk = (jax.vmap(jax.vmap(block_diagonal))(b) for b in blocks)
     a, c = np.arange(64)[:, None], np.arange(64)[None, :]
     pairs = (a >= c) & (a // 16 == c // 16)
+    das = [np.where(pairs & (a > c), rng.standard_normal((2, 2, 64, 64)), 0.0).astype(np.float32) for _ in range(2)]
+    blocks = diagonal_scores(*map(jnp.asarray, (q, k, g)), scale=0.3, warps=4, interpret=True)
+    aqk, akk = (jax.vmap(jax.vmap(block_diagonal))(b) for b in blocks)
+    dxq, dxk, dy = diagonal_grads(*map(jnp.asarray, (q, k, g, *das)), scale=0.3, warps=4, interpret=True)
     gam = np.cumsum(g.reshape(2, 4, 16, 2, 32).astype(np.float64), axis=2).reshape(2, 64, 2, 32)
     for n in range(2):
         for h in range(2):
             decay = np.exp(np.minimum(gam[n, :, None, h] - gam[n, None, :, h], 0.0)) * pairs[..., None]
-            for got, x in ((aqk, 0.3 * q), (akk, k)):
-                want = np.einsum("ad,cd,acd->ac", x[n, :, 0], k[n, :, 0], decay)
-                assert np.isfinite(np.asarray(got[n, h])).all()
-                np.testing.assert_allclose(np.asarray(got[n, h]), want, rtol=1e-5, atol=1e-5)
+            qs, kn = 0.3 * q[n, :, 0], k[n, :, 0]
+            want = dict(aqk=np.einsum("ad,cd,acd->ac", qs, kn, decay), akk=np.einsum("ad,cd,acd->ac", kn, kn, decay),
+                        dxq=np.einsum("ac,cd,acd->ad", das[0][n, h], kn, decay),
+                        dxk=np.einsum("ac,cd,acd->ad", das[1][n, h], kn, decay),
+                        dy=np.einsum("ac,ad,acd->cd", das[0][n, h], qs, decay)
+                        + np.einsum("ac,ad,acd->cd", das[1][n, h], kn, decay))
+            got = dict(aqk=aqk, akk=akk, dxq=dxq, dxk=dxk, dy=dy)
+            for name, w in want.items():
+                value = np.asarray(got[name][n, h])
+                assert np.isfinite(value).all(), name
+                np.testing.assert_allclose(value, w, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_unbounded_gate_with_the_diagonal_kernel_matches_reference(monkeypatch, dtype):
-    # Tuning(diagonal_kernel=True): the unbounded forward's diagonal blocks come from their own kernel and the scores
-    # kernel adds them (no pairwise_levels in the forward); otherwise as the test above.
+    # Tuning(diagonal_kernel=True): the unbounded gate's diagonal blocks come from kernels of their own, the scores
+    # kernel and the row-block input backward add them (no pairwise_levels(_grads)); otherwise as the test above.
     from pallas_kernels.kda import pallas_blocks as blk
     from pallas_kernels.kda import pallas_fwd
     from pallas_kernels.kda.pallas_fwd import Tuning
-    traced = _record_calls(monkeypatch, [(blk, "pairwise_levels"), (pallas_fwd, "diagonal_scores")])
+    from pallas_kernels.kda import pallas_bwd
+    traced = _record_calls(monkeypatch, [(blk, "pairwise_levels"), (blk, "pairwise_levels_grads"),
+                                         (pallas_fwd, "diagonal_scores"), (pallas_bwd, "diagonal_grads")])
     _interpret_with(monkeypatch, Tuning(intra_tile=8, key_tile=8, input_bwd="rows", diagonal_kernel=True))
     x = random_inputs(17, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
                       gate="softplus", g_min=None, dtype=dtype)
     ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
     bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, None, 64, ids, tol=1e-5 if dtype == jnp.float32 else bf16_bars)
-    assert "diagonal_scores" in traced and "pairwise_levels" not in traced
+    assert set(traced) == {"diagonal_scores", "diagonal_grads"}
 
 
 def test_output_tile_and_warps_are_checked():
@@ -488,6 +501,7 @@ def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     assert all((name in text) == tuning.mosaic_scan for name in mosaic)  # the state scans as Mosaic GPU kernels
     assert ("mosaic_gpu" in text) == tuning.mosaic_scan
     assert ("kda_diagonal_fwd" in text) == (tuning.diagonal_kernel and g_min is None)
+    assert ("kda_diagonal_bwd" in text) == (tuning.diagonal_kernel and g_min is None and grads)
 
 
 def test_state_side_tile_must_divide_the_key_dimension():
