@@ -5,7 +5,8 @@ flash-linear-attention (fla) side by side, each verified against the token-by-to
 
 fla (PyTorch) runs in a child process so the two frameworks never compute at once: after the JAX variants, or
 first with --fla_first (its Triton autotuning takes minutes on a fresh machine; first, it cannot be starved by the
-JAX rows). Run the parent with XLA_PYTHON_CLIENT_PREALLOCATE=false so that the child has the GPU's memory. The
+JAX rows), while the parent compiles every Pallas row ahead of time (--overlap_compile: CPU work only, so the GPU is
+fla's alone until the child ends and the JAX rows are timed). Run the parent with XLA_PYTHON_CLIENT_PREALLOCATE=false so that the child has the GPU's memory. The
 Pallas variants run once per entry of --tunings. Rows go to kda_h200.json and a markdown table to kda_h200.md
 (kda_<card>.* when the device is not an H200, e.g. kda_h100.*), rewritten after every row, so a run stopped by
 --deadline_s or a time limit keeps what it measured.
@@ -41,6 +42,8 @@ flags.DEFINE_string("tunings", "", "Several launch tunings separated by ';' (eac
 flags.DEFINE_list("tuned", [], "Pallas variants that run every --tunings entry (empty: all of them); the other "
                   "Pallas variants run the first entry only.")
 flags.DEFINE_bool("fla_first", False, "Run the fla child before the JAX variants.")
+flags.DEFINE_bool("overlap_compile", True, "With --fla_first: compile every Pallas row ahead of time (CPU only, the "
+                  "GPU left to fla) while the fla child runs, instead of after it.")
 flags.DEFINE_float("deadline_s", 0.0, "Start no new JAX measurement after this many seconds (0: no deadline).")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_<card>.json / .md are written (card: h200, h100...).")
 flags.DEFINE_string("fla_worker", "", "Internal: run the fla timings for this job file and exit.")
@@ -101,7 +104,7 @@ def _median_ms(fn, inputs, repeats, calls_per_sample=4):
     import jax
     start = time.perf_counter()
     jax.block_until_ready(fn(*inputs[0]))
-    print(f"    first call (compile + run) {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"    first call {time.perf_counter() - start:.1f} s", flush=True)
     for args in inputs:  # warm-up: touch every input set
         jax.block_until_ready(fn(*args))
     times = []
@@ -184,6 +187,38 @@ def _verify_jax(backend, bounded, tuning, heads, dim):
 
 
 _VERIFIED = {}
+_COMPILED = {}
+
+
+def _compiled_fns(shape, variant, tuning, tuning_name):
+    """The timed forward and forward+backward of a row, compiled for its shape ahead of time (memoised): compiling
+    needs no GPU time, so it can overlap the fla child's (precompile)."""
+    key = (shape, variant, tuning_name)
+    if key not in _COMPILED:
+        import jax
+        import jax.numpy as jnp
+        backend, gate = variant.split("_")
+        fwd, grads, _ = _jax_fns(backend, gate == "bounded", tuning)
+        tokens = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        args = (tokens, tokens, tokens, jax.ShapeDtypeStruct(shape, jnp.float32),
+                jax.ShapeDtypeStruct(shape[:3], jnp.bfloat16))
+        start = time.perf_counter()
+        _COMPILED[key] = fwd.lower(*args).compile(), grads.lower(*args, tokens).compile()
+        print(f"    compiled {variant} [{tuning_name}] {shape} in {time.perf_counter() - start:.1f} s", flush=True)
+    return _COMPILED[key]
+
+
+def precompile(shapes, tunings):
+    """Compiles every Pallas row of the run (a row that fails to compile is reported when its turn comes)."""
+    for shape in shapes:
+        for variant in FLAGS.variants:
+            if not variant.startswith("pallas"):
+                continue
+            for name, tuning in (tunings if not FLAGS.tuned or variant in FLAGS.tuned else tunings[:1]):
+                try:
+                    _compiled_fns(shape, variant, tuning, name)
+                except Exception as err:  # noqa: BLE001 - bench_jax compiles it again and reports the failure
+                    print(f"    compile of {variant} [{name}] {shape} failed: {type(err).__name__}", flush=True)
 
 
 def bench_jax(shape, variant, tuning, tuning_name="base"):
@@ -198,7 +233,7 @@ def bench_jax(shape, variant, tuning, tuning_name="base"):
     else:
         ratio, errs = _VERIFIED[variant, tuning_name, heads, dim] = _verify_jax(backend, bounded, tuning, heads, dim)
     print(f"  verify {variant} T={FLAGS.verify_len}: max err/bar {ratio:.3f} {errs}", flush=True)
-    fwd, grads, _ = _jax_fns(backend, bounded, tuning)
+    fwd, grads = _compiled_fns(shape, variant, tuning, tuning_name)
     sets = [random_inputs(s, batch, seq_len, heads, dim, bounded) for s in range(3)]
     repeats = FLAGS.xla_repeats if backend == "xla" else FLAGS.repeats
     fwd_ms = _median_ms(fwd, [a for a, _ in sets], repeats)
@@ -208,8 +243,8 @@ def bench_jax(shape, variant, tuning, tuning_name="base"):
     return dict(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms, max_err_ratio=ratio, errors=errs), jax.device_get(out)
 
 
-def run_fla_child(jobs):
-    """Times fla in a child process (PyTorch only); returns its rows."""
+def start_fla_child(jobs):
+    """Starts the fla timings in a child process (PyTorch only); finish_fla_child collects its rows."""
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kda_fla_jobs.json")
     with open(path, "w") as f:
         json.dump(jobs, f)
@@ -217,16 +252,25 @@ def run_fla_child(jobs):
            f"--repeats={FLAGS.repeats}", f"--verify_len={FLAGS.verify_len}"]
     if os.path.exists(path + ".out"):
         os.remove(path + ".out")
-    start = time.perf_counter()
+    return dict(process=subprocess.Popen(cmd), path=path, start=time.perf_counter(), runs=len(jobs["runs"]))
+
+
+def finish_fla_child(child):
+    """Waits for the child until --fla_timeout after its start (then stops it); returns the rows it wrote."""
+    process, path, start = child["process"], child["path"], child["start"]
     try:
-        subprocess.run(cmd, check=True, timeout=FLAGS.fla_timeout)
-    except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as err:
-        print(f"fla child failed after {time.perf_counter() - start:.0f} s: {err}", flush=True)
+        process.wait(timeout=max(1.0, FLAGS.fla_timeout - (time.perf_counter() - start)))
+        if process.returncode:
+            print(f"fla child failed (exit {process.returncode}) after {time.perf_counter() - start:.0f} s", flush=True)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        print(f"fla child stopped at its {FLAGS.fla_timeout} s limit", flush=True)
     if not os.path.exists(path + ".out"):
         return dict(rows=[], fla="not run", torch="-")
     with open(path + ".out") as f:
         result = json.load(f)
-    print(f"fla child: {len(result['rows'])} of {len(jobs['runs'])} rows in {time.perf_counter() - start:.0f} s",
+    print(f"fla child: {len(result['rows'])} of {child['runs']} rows in {time.perf_counter() - start:.0f} s",
           flush=True)
     return result
 
@@ -375,17 +419,20 @@ def main(argv):
         rows.sort(key=lambda r: (r["T"] * r["B"], r["B"], order[r["variant"]]))
         write_tables(rows, versions, FLAGS.out_dir)
 
-    def run_fla():
+    def run_fla(overlap=False):
         ref_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kda_fla_ref.npz")
         save_fla_references(ref_path, shapes[0][2], shapes[0][3])
         jax.clear_caches()
-        result = run_fla_child(dict(reference=ref_path, runs=fla_jobs))
+        child = start_fla_child(dict(reference=ref_path, runs=fla_jobs))
+        if overlap:
+            precompile(shapes, tunings)
+        result = finish_fla_child(child)
         rows.extend(result["rows"])
         versions.update(fla=result["fla"], torch=result["torch"])
         save()
 
     if fla_jobs and FLAGS.fla_first:
-        run_fla()
+        run_fla(overlap=FLAGS.overlap_compile)
     for shape in shapes:
         outs = {}
         for variant in FLAGS.variants:
