@@ -320,20 +320,27 @@ def test_level_form_diagonal_blocks_match_the_pairwise_definition(steepness):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_unbounded_gate_in_the_split_kernels_matches_reference(monkeypatch, dtype):
-    # The unbounded gate through the split scores kernel (diagonal blocks in a second pass over two 8-channel key
-    # tiles) and the row-block input backward, both calling pairwise_levels(_grads); 64-token chunks, GVA,
-    # documents inside blocks, an initial state, a padded length. fp32: 1e-5; bf16: the bf16 bars.
+@pytest.mark.parametrize("diagonal_kernel", [False, True])
+def test_unbounded_gate_in_the_split_kernels_matches_reference(monkeypatch, dtype, diagonal_kernel):
+    # The unbounded gate through the split scores kernel (two 8-channel key tiles) and the row-block input backward,
+    # their exact diagonal blocks by pairwise_levels(_grads) (a second pass of the scores kernel; per block in the
+    # input backward) or, with Tuning(diagonal_kernel=True), from kernels of their own (diagonal_scores,
+    # diagonal_grads) that those two add; 64-token chunks, GVA, documents inside blocks, an initial state, a padded
+    # length. fp32: 1e-5; bf16: the bf16 bars.
     from pallas_kernels.kda import pallas_blocks as blk
+    from pallas_kernels.kda import pallas_bwd, pallas_fwd
     from pallas_kernels.kda.pallas_fwd import Tuning
-    traced = _record_calls(monkeypatch, [(blk, "pairwise_levels"), (blk, "pairwise_levels_grads")])
-    _interpret_with(monkeypatch, Tuning(intra_tile=8, key_tile=8, input_bwd="rows"))
+    traced = _record_calls(monkeypatch, [(blk, "pairwise_levels"), (blk, "pairwise_levels_grads"),
+                                         (pallas_fwd, "diagonal_scores"), (pallas_bwd, "diagonal_grads")])
+    _interpret_with(monkeypatch, Tuning(intra_tile=8, key_tile=8, input_bwd="rows", diagonal_kernel=diagonal_kernel))
     x = random_inputs(17, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
                       gate="softplus", g_min=None, dtype=dtype)
     ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
     bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, None, 64, ids, tol=1e-5 if dtype == jnp.float32 else bf16_bars)
-    assert set(traced) == {"pairwise_levels", "pairwise_levels_grads"}
+    expected = ({"diagonal_scores", "diagonal_grads"} if diagonal_kernel
+                else {"pairwise_levels", "pairwise_levels_grads"})
+    assert set(traced) == expected
 
 
 @pytest.mark.parametrize("steepness", [0.5, 60.0])
@@ -368,25 +375,6 @@ def test_diagonal_kernels_match_the_pairwise_definition(steepness):
                 value = np.asarray(got[name][n, h])
                 assert np.isfinite(value).all(), name
                 np.testing.assert_allclose(value, w, rtol=1e-5, atol=1e-5, err_msg=name)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_unbounded_gate_with_the_diagonal_kernel_matches_reference(monkeypatch, dtype):
-    # Tuning(diagonal_kernel=True): the unbounded gate's diagonal blocks come from kernels of their own, the scores
-    # kernel and the row-block input backward add them (no pairwise_levels(_grads)); otherwise as the test above.
-    from pallas_kernels.kda import pallas_blocks as blk
-    from pallas_kernels.kda import pallas_fwd
-    from pallas_kernels.kda.pallas_fwd import Tuning
-    from pallas_kernels.kda import pallas_bwd
-    traced = _record_calls(monkeypatch, [(blk, "pairwise_levels"), (blk, "pairwise_levels_grads"),
-                                         (pallas_fwd, "diagonal_scores"), (pallas_bwd, "diagonal_grads")])
-    _interpret_with(monkeypatch, Tuning(intra_tile=8, key_tile=8, input_bwd="rows", diagonal_kernel=True))
-    x = random_inputs(17, batch=1, seq_len=150, heads=1, value_heads=2, key_dim=16, value_dim=16,
-                      gate="softplus", g_min=None, dtype=dtype)
-    ids = jnp.asarray(np.broadcast_to((np.arange(150) >= 70).astype(np.int32) + (np.arange(150) >= 100), (1, 150)))
-    bf16_bars = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
-    _compare(x, None, 64, ids, tol=1e-5 if dtype == jnp.float32 else bf16_bars)
-    assert set(traced) == {"diagonal_scores", "diagonal_grads"}
 
 
 def test_output_tile_and_warps_are_checked():
