@@ -6,10 +6,10 @@ flash-linear-attention (fla) side by side, each verified against the token-by-to
 fla (PyTorch) runs in a child process so the two frameworks never compute at once: after the JAX variants, or
 first with --fla_first (its Triton autotuning takes minutes on a fresh machine; first, it cannot be starved by the
 JAX rows), while the parent compiles every Pallas row ahead of time (--overlap_compile: CPU work only, so the GPU is
-fla's alone until the child ends and the JAX rows are timed). Run the parent with XLA_PYTHON_CLIENT_PREALLOCATE=false so that the child has the GPU's memory. The
-Pallas variants run once per entry of --tunings. Rows go to kda_h200.json and a markdown table to kda_h200.md
-(kda_<card>.* when the device is not an H200, e.g. kda_h100.*), rewritten after every row, so a run stopped by
---deadline_s or a time limit keeps what it measured.
+fla's alone until the child ends and the JAX rows are timed). Run the parent with XLA_PYTHON_CLIENT_PREALLOCATE=false
+so that the child has the GPU's memory. The Pallas variants run once per entry of --tunings. Rows go to
+kda_h200.json and a markdown table to kda_h200.md (kda_<card>.* when the device is not an H200, e.g. kda_h100.*),
+rewritten after every row, so a run stopped by --deadline_s or a time limit keeps what it measured.
 """
 
 import dataclasses
@@ -208,13 +208,19 @@ def _compiled_fns(shape, variant, tuning, tuning_name):
     return _COMPILED[key]
 
 
+def row_tunings(variant, tunings):
+    """The (name, Tuning) entries a variant runs: every --tunings entry for a Pallas variant in --tuned (or with
+    --tuned empty), else the first; ("-", None) for the others."""
+    if not variant.startswith("pallas"):
+        return [("-", None)]
+    return tunings if not FLAGS.tuned or variant in FLAGS.tuned else tunings[:1]
+
+
 def precompile(shapes, tunings):
     """Compiles every Pallas row of the run (a row that fails to compile is reported when its turn comes)."""
     for shape in shapes:
-        for variant in FLAGS.variants:
-            if not variant.startswith("pallas"):
-                continue
-            for name, tuning in (tunings if not FLAGS.tuned or variant in FLAGS.tuned else tunings[:1]):
+        for variant in (v for v in FLAGS.variants if v.startswith("pallas")):
+            for name, tuning in row_tunings(variant, tunings):
                 try:
                     _compiled_fns(shape, variant, tuning, name)
                 except Exception as err:  # noqa: BLE001 - bench_jax compiles it again and reports the failure
@@ -438,8 +444,7 @@ def main(argv):
         for variant in FLAGS.variants:
             if variant.startswith("fla"):
                 continue
-            variant_tunings = tunings if not FLAGS.tuned or variant in FLAGS.tuned else tunings[:1]
-            for name, tuning in (variant_tunings if variant.startswith("pallas") else [("-", None)]):
+            for name, tuning in row_tunings(variant, tunings):
                 if FLAGS.deadline_s and time.perf_counter() - start > FLAGS.deadline_s:
                     print(f"deadline: {variant} {name} {shape} not run", flush=True)
                     continue

@@ -13,8 +13,9 @@ from pallas_kernels.kda import mosaic_scan
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, score_products
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
-from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, input_bwd_rows, input_specs, intra_precision,
-                                           operand_cast, ref_chunk, scan_load, scan_params, score_dtype, with_precision)
+from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, diagonal_call, diagonal_columns,
+                                           input_bwd_rows, input_specs, intra_precision, operand_cast, ref_chunk,
+                                           scan_load, scan_params, score_dtype, with_precision)
 from pallas_kernels.kda.pallas_scan import saved_state_dtype, sequence_specs
 
 _F32 = jnp.float32
@@ -283,53 +284,37 @@ def _tiled_score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, a
 def _diagonal_grad_kernel(q_ref, k_ref, g_ref, daqk_ref, dakk_ref, dxq_ref, dxk_ref, dy_ref, *, scale):
     """Backward of pallas_fwd._diagonal_kernel for one 16-row block: with e_rc = e^(gam_r - gam_c) (r > c, every
     exponent <= 0), dx_q[r] = sum_c dAqk[r, c] k_c e_rc, dx_k[r] = sum_c dAkk[r, c] k_c e_rc and
-    dy[c] = sum_r (dAqk[r, c] q_r + dAkk[r, c] k_r) e_rc, elementwise fp32, one key row per column. dAqk's diagonal
-    (decay 1) is left to the caller, as in pairwise_levels_grads."""
+    dy[c] = sum_r (dAqk[r, c] q_r + dAkk[r, c] k_r) e_rc, elementwise fp32 (pallas_fwd.diagonal_columns). dAqk's
+    diagonal (decay 1) is left to the caller, as in pairwise_levels_grads."""
     rows, key_dim = q_ref.shape
-    q = q_ref[...].astype(_F32) * scale
-    k = k_ref[...].astype(_F32)
-    gam = cumsum_rows(g_ref[...].astype(_F32))
     row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     col = lax.broadcasted_iota(jnp.int32, (rows, rows), 1)
     daqk, dakk = daqk_ref[...].astype(_F32), dakk_ref[...].astype(_F32)
 
-    def column(c, carry):
-        dxq, dxk, dy, gam_c = carry
-        gam_c = gam_c + g_ref[pl.ds(c, 1), :].astype(_F32)
-        decay = jnp.exp(jnp.where(row > c, gam - gam_c, -jnp.inf))
-        key = k_ref[pl.ds(c, 1), :].astype(_F32) * decay
+    def body(c, carry, q, k, decay, key):
+        dxq, dxk, dy = carry
         here = col == c
         daqk_c = jnp.sum(jnp.where(here, daqk, 0.0), axis=1, keepdims=True)  # column c, [R, 1]
         dakk_c = jnp.sum(jnp.where(here, dakk, 0.0), axis=1, keepdims=True)
         dy_c = jnp.sum((daqk_c * q + dakk_c * k) * decay, axis=0, keepdims=True)
-        return dxq + daqk_c * key, dxk + dakk_c * key, jnp.where(row == c, dy_c, dy), gam_c
+        return dxq + daqk_c * key, dxk + dakk_c * key, jnp.where(row == c, dy_c, dy)
 
     zeros = jnp.zeros((rows, key_dim), _F32)
-    dxq, dxk, dy, _ = lax.fori_loop(0, rows, column, (zeros, zeros, zeros, jnp.zeros((1, key_dim), _F32)))
-    dxq_ref[...], dxk_ref[...], dy_ref[...] = dxq, dxk, dy
+    dxq_ref[...], dxk_ref[...], dy_ref[...] = diagonal_columns(q_ref, k_ref, g_ref, body, (zeros,) * 3, scale=scale,
+                                                               strict=True)
 
 
 def diagonal_grads(q, k, g, daqk, dakk, *, scale, warps, interpret):
     """Backward of pallas_fwd.diagonal_scores (Tuning.diagonal_kernel) from the score gradients dAqk, dAkk
-    [BN, HV, C, C] (their diagonal blocks only): dx_q, dx_k, dy [BN, HV, C, K] fp32 (see _diagonal_grad_kernel), which
-    the row-block input backward adds in place of pairwise_levels_grads. Grid (chunks, value heads, row blocks)."""
-    chunks, chunk, heads, key_dim = q.shape
-    value_heads = g.shape[2]
-    group, rows = value_heads // heads, ROWS
-    qk = pl.BlockSpec((None, rows, None, key_dim), lambda n, h, b: (n, b, h // group, 0))
-    gate = pl.BlockSpec((None, rows, None, key_dim), lambda n, h, b: (n, b, h, 0))
-    block = pl.BlockSpec((None, None, rows, rows), lambda n, h, b: (n, h, b, b))
-    out = pl.BlockSpec((None, None, rows, key_dim), lambda n, h, b: (n, h, b, 0))
-    return pl.pallas_call(
-        functools.partial(_diagonal_grad_kernel, scale=scale),
-        grid=(chunks, value_heads, chunk // rows),
-        in_specs=[qk, qk, gate, block, block],
-        out_specs=[out] * 3,
-        out_shape=[jax.ShapeDtypeStruct((chunks, value_heads, chunk, key_dim), _F32)] * 3,
-        compiler_params=compiler_params(warps),
-        interpret=interpret,
-        name="kda_diagonal_bwd",
-    )(q, k, g, daqk, dakk)
+    [BN, HV, C, C] (their diagonal blocks only, read by block index (b, b)): dx_q, dx_k, dy [BN, HV, C, K] fp32 (see
+    _diagonal_grad_kernel), which the row-block input backward adds in place of pairwise_levels_grads."""
+    chunks, chunk, _, key_dim = q.shape
+    block = pl.BlockSpec((None, None, ROWS, ROWS), lambda n, h, b: (n, h, b, b))
+    out = pl.BlockSpec((None, None, ROWS, key_dim), lambda n, h, b: (n, h, b, 0))
+    return diagonal_call(functools.partial(_diagonal_grad_kernel, scale=scale), q, k, g, daqk, dakk,
+                         extra_specs=[block, block], out_specs=[out] * 3,
+                         out_shape=[jax.ShapeDtypeStruct((chunks, g.shape[2], chunk, key_dim), _F32)] * 3,
+                         warps=warps, interpret=interpret, name="kda_diagonal_bwd")
 
 
 def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd, dd, *, scale, dense, tuning,

@@ -481,54 +481,76 @@ def output_tile(tuning, key_dim, value_dim):
     return tile
 
 
-def _diagonal_kernel(q_ref, k_ref, g_ref, aqk_ref, akk_ref, *, scale):
-    """One 16-row block's diagonal block of Aqk and Akk [R, R], exact for any decay: column c is
-    sum_d x[r, d] k[c, d] e^(gam[r, d] - gam[c, d]) for rows r >= c (0 above), with gam the cumulative gate within the
-    block, so every exponent is <= 0. Elementwise fp32 over [R, K] tiles, one key row (loaded from its ref) per
-    column."""
-    rows, _ = q_ref.shape
+def diagonal_columns(q_ref, k_ref, g_ref, body, init, *, scale, strict):
+    """The column loop of the diagonal-block kernels (forward and backward) over one 16-row block: with q (scaled), k
+    [R, K] fp32 and gam the cumulative gate within the block, body(c, carry, q, k, decay, key) for each column c, where
+    decay[r] = e^(gam_r - gam_c) on rows r >= c (r > c if strict; 0 elsewhere: every exponent <= 0) and key = k_c
+    decay, k_c loaded from its ref. Returns the final carry."""
+    rows = q_ref.shape[0]
     q = q_ref[...].astype(_F32) * scale
     k = k_ref[...].astype(_F32)
     gam = blk.cumsum_rows(g_ref[...].astype(_F32))
     row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-    col = lax.broadcasted_iota(jnp.int32, (rows, rows), 1)
 
-    def column(c, carry):
-        aqk, akk, gam_c = carry
+    def column(c, state):
+        carry, gam_c = state
         gam_c = gam_c + g_ref[pl.ds(c, 1), :].astype(_F32)  # the running cumulative gate, row c
-        key = k_ref[pl.ds(c, 1), :].astype(_F32) * jnp.exp(jnp.where(row >= c, gam - gam_c, -jnp.inf))
-        here = col == c
-        aqk = jnp.where(here, jnp.sum(q * key, axis=1, keepdims=True), aqk)
-        akk = jnp.where(here, jnp.sum(k * key, axis=1, keepdims=True), akk)
-        return aqk, akk, gam_c
+        decay = jnp.exp(jnp.where(row > c if strict else row >= c, gam - gam_c, -jnp.inf))
+        key = k_ref[pl.ds(c, 1), :].astype(_F32) * decay
+        return body(c, carry, q, k, decay, key), gam_c
 
-    zeros = jnp.zeros((rows, rows), _F32)
-    aqk, akk, _ = lax.fori_loop(0, rows, column, (zeros, zeros, jnp.zeros((1, q.shape[1]), _F32)))
-    aqk_ref[...] = aqk
-    akk_ref[...] = akk
+    carry, _ = lax.fori_loop(0, rows, column, (init, jnp.zeros((1, q.shape[1]), _F32)))
+    return carry
 
 
-def diagonal_scores(q, k, g, *, scale, warps, interpret):
-    """The diagonal 16-row blocks of Aqk and Akk (unmasked, exact for any decay; Tuning.diagonal_kernel): q, k
-    [BN, C, H, K], g [BN, C, HV, K] -> two [BN, HV, C, R] fp32 arrays, row r's block in its R columns (block_diagonal
-    spreads them). Grid (chunks, value heads, row blocks)."""
+def diagonal_call(kernel, q, k, g, *extra, extra_specs, out_specs, out_shape, warps, interpret, name):
+    """pallas_call of a diagonal-block kernel: grid (chunks, value heads, 16-row blocks), the block's q, k, g rows
+    first, then `extra` with their specs."""
     chunks, chunk, heads, key_dim = q.shape
     value_heads = g.shape[2]
     group, rows = value_heads // heads, blk.ROWS
     qk = pl.BlockSpec((None, rows, None, key_dim), lambda n, h, b: (n, b, h // group, 0))
     gate = pl.BlockSpec((None, rows, None, key_dim), lambda n, h, b: (n, b, h, 0))
-    out = pl.BlockSpec((None, None, rows, rows), lambda n, h, b: (n, h, b, 0))
-    blocks = jax.ShapeDtypeStruct((chunks, value_heads, chunk, rows), _F32)
     return pl.pallas_call(
-        functools.partial(_diagonal_kernel, scale=scale),
+        kernel,
         grid=(chunks, value_heads, chunk // rows),
-        in_specs=[qk, qk, gate],
-        out_specs=[out, out],
-        out_shape=[blocks, blocks],
+        in_specs=[qk, qk, gate, *extra_specs],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params(warps),
         interpret=interpret,
-        name="kda_diagonal_fwd",
-    )(q, k, g)
+        name=name,
+    )(q, k, g, *extra)
+
+
+def _diagonal_kernel(q_ref, k_ref, g_ref, aqk_ref, akk_ref, *, scale):
+    """One 16-row block's diagonal block of Aqk and Akk [R, R], exact for any decay: column c is
+    sum_d x[r, d] k[c, d] e^(gam[r, d] - gam[c, d]) for rows r >= c (0 above). Elementwise fp32 over [R, K] tiles
+    (diagonal_columns)."""
+    rows = q_ref.shape[0]
+    col = lax.broadcasted_iota(jnp.int32, (rows, rows), 1)
+
+    def body(c, carry, q, k, decay, key):
+        aqk, akk = carry
+        here = col == c
+        return (jnp.where(here, jnp.sum(q * key, axis=1, keepdims=True), aqk),
+                jnp.where(here, jnp.sum(k * key, axis=1, keepdims=True), akk))
+
+    zeros = jnp.zeros((rows, rows), _F32)
+    aqk_ref[...], akk_ref[...] = diagonal_columns(q_ref, k_ref, g_ref, body, (zeros, zeros), scale=scale,
+                                                  strict=False)
+
+
+def diagonal_scores(q, k, g, *, scale, warps, interpret):
+    """The diagonal 16-row blocks of Aqk and Akk (unmasked, exact for any decay; Tuning.diagonal_kernel): q, k
+    [BN, C, H, K], g [BN, C, HV, K] -> two [BN, HV, C, R] fp32 arrays, row r's block in its R columns (block_diagonal
+    spreads them)."""
+    chunks, chunk, rows = q.shape[0], q.shape[1], blk.ROWS
+    out = pl.BlockSpec((None, None, rows, rows), lambda n, h, b: (n, h, b, 0))
+    blocks = jax.ShapeDtypeStruct((chunks, g.shape[2], chunk, rows), _F32)
+    return diagonal_call(functools.partial(_diagonal_kernel, scale=scale), q, k, g, extra_specs=[],
+                         out_specs=[out, out], out_shape=[blocks, blocks], warps=warps, interpret=interpret,
+                         name="kda_diagonal_fwd")
 
 
 def block_diagonal(blocks):
@@ -567,7 +589,8 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
         functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
                           fused=tuning.fused_scores, squares=squares, gated=gated, diagonal=diagonal),
         grid=(chunks, value_heads),
-        in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]] + [chunk_tile(chunk, blk.ROWS)] * len(extra),
+        in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]] + [
+            chunk_tile(chunk, blk.ROWS)] * len(extra),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(tuning.intra_warps if dense or diagonal else tuning.pairwise_warps),
