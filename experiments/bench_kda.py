@@ -208,12 +208,28 @@ def _compiled_fns(shape, variant, tuning, tuning_name):
     return _COMPILED[key]
 
 
+# Tuning fields that only the unbounded gate's kernels read: a bounded row that differs from an earlier one in
+# these alone would time the same kernels again.
+_UNBOUNDED_ONLY = ("diagonal_kernel", "diagonal_warps", "pairwise_warps")
+
+
 def row_tunings(variant, tunings):
     """The (name, Tuning) entries a variant runs: every --tunings entry for a Pallas variant in --tuned (or with
-    --tuned empty), else the first; ("-", None) for the others."""
+    --tuned empty), else the first, less the bounded gate's repeats (entries equal to an earlier one but for fields
+    only the unbounded gate reads); ("-", None) for the others."""
     if not variant.startswith("pallas"):
         return [("-", None)]
-    return tunings if not FLAGS.tuned or variant in FLAGS.tuned else tunings[:1]
+    chosen = tunings if not FLAGS.tuned or variant in FLAGS.tuned else tunings[:1]
+    if not variant.endswith("_bounded"):
+        return chosen
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    seen, rows = set(), []
+    for name, tuning in chosen:
+        key = dataclasses.replace(tuning, **{f: getattr(Tuning(), f) for f in _UNBOUNDED_ONLY})
+        if key not in seen:
+            seen.add(key)
+            rows.append((name, tuning))
+    return rows
 
 
 def precompile(shapes, tunings):

@@ -32,3 +32,18 @@ def test_an_fla_child_past_its_limit_is_stopped(tmp_path, monkeypatch):
         result = bench_kda.finish_fla_child(child)
     assert child["process"].returncode is not None and child["process"].returncode < 0  # killed
     assert result["rows"] == []
+
+
+def test_bounded_rows_skip_tunings_only_the_unbounded_gate_reads():
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    names = ["base", "diagonal_kernel=1", "mosaic_output=1", "diagonal_kernel=1,intra_warps=8"]
+    tunings = [(name, Tuning.from_string(name)) for name in names]
+    with flagsaver.flagsaver(tuned=["pallas_bounded", "pallas_unbounded"]):
+        assert [n for n, _ in bench_kda.row_tunings("pallas_unbounded", tunings)] == names
+        assert [n for n, _ in bench_kda.row_tunings("pallas_bounded", tunings)] == [
+            "base", "mosaic_output=1", "diagonal_kernel=1,intra_warps=8"]
+    with flagsaver.flagsaver(tuned=["pallas_unbounded"]):
+        assert [n for n, _ in bench_kda.row_tunings("pallas_bounded", tunings)] == ["base"]
+    assert bench_kda.row_tunings("fla_bounded", tunings) == [("-", None)]
