@@ -5,11 +5,12 @@ flash-linear-attention (fla) side by side, each verified against the token-by-to
 
 fla (PyTorch) runs in a child process so the two frameworks never compute at once: after the JAX variants, or
 first with --fla_first (its Triton autotuning takes minutes on a fresh machine; first, it cannot be starved by the
-JAX rows), while the parent compiles every Pallas row ahead of time (--overlap_compile: CPU work only, so the GPU is
-fla's alone until the child ends and the JAX rows are timed). Run the parent with XLA_PYTHON_CLIENT_PREALLOCATE=false
-so that the child has the GPU's memory. The Pallas variants run once per entry of --tunings. Rows go to
-kda_h200.json and a markdown table to kda_h200.md (kda_<card>.* when the device is not an H200, e.g. kda_h100.*),
-rewritten after every row, so a run stopped by --deadline_s or a time limit keeps what it measured.
+JAX rows). --overlap_compile has the parent compile every Pallas row meanwhile: faster, but it loads the host while
+fla autotunes and times, which may cost fla forward time (off by default; kda_v12_h200/README.md). Run the parent
+with XLA_PYTHON_CLIENT_PREALLOCATE=false so that the child has the GPU's memory. The Pallas variants run once per
+entry of --tunings. Rows go to kda_h200.json and a markdown table to kda_h200.md (kda_<card>.* when the device is not
+an H200, e.g. kda_h100.*), rewritten after every row, so a run stopped by --deadline_s or a time limit keeps what it
+measured.
 """
 
 import dataclasses
@@ -42,8 +43,9 @@ flags.DEFINE_string("tunings", "", "Several launch tunings separated by ';' (eac
 flags.DEFINE_list("tuned", [], "Pallas variants that run every --tunings entry (empty: all of them); the other "
                   "Pallas variants run the first entry only.")
 flags.DEFINE_bool("fla_first", False, "Run the fla child before the JAX variants.")
-flags.DEFINE_bool("overlap_compile", True, "With --fla_first: compile every Pallas row ahead of time (CPU only, the "
-                  "GPU left to fla) while the fla child runs, instead of after it.")
+flags.DEFINE_bool("overlap_compile", False, "With --fla_first: compile every Pallas row ahead of time (CPU only) "
+                  "while the fla child runs, instead of after it. Faster, but unfair to fla: the host load slows its "
+                  "launch-bound forward and may skew its autotuning (benchmarks/results/kda_v12_h200/README.md).")
 flags.DEFINE_float("deadline_s", 0.0, "Start no new JAX measurement after this many seconds (0: no deadline).")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_<card>.json / .md are written (card: h200, h100...).")
 flags.DEFINE_string("fla_worker", "", "Internal: run the fla timings for this job file and exit.")
@@ -210,7 +212,7 @@ def _compiled_fns(shape, variant, tuning, tuning_name):
 
 # Tuning fields that only the unbounded gate's kernels read: a bounded row that differs from an earlier one in
 # these alone would time the same kernels again.
-_UNBOUNDED_ONLY = ("diagonal_kernel", "diagonal_warps", "pairwise_warps")
+_UNBOUNDED_ONLY = ("diagonal_kernel", "diagonal_warps", "diagonal_bwd_warps", "pairwise_warps")
 
 
 def row_tunings(variant, tunings):

@@ -392,7 +392,8 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
         diagonal = not dense and tuning.diagonal_kernel and chunk % ROWS == 0
         kernel = functools.partial(_row_block_input_grad_kernel, dense=dense, diagonal=diagonal)
         if diagonal:
-            extra = diagonal_grads(q, k, g, daqk, dakk, scale=scale, warps=tuning.diagonal_warps, interpret=interpret)
+            extra = diagonal_grads(q, k, g, daqk, dakk, scale=scale, warps=tuning.diagonal_bwd_warps,
+                                   interpret=interpret)
     dq, dk, dg = pl.pallas_call(
         functools.partial(kernel, scale=scale, precision=intra_precision(tuning, precision, q.dtype, backward=True)),
         grid=(chunks, value_heads, key_dim // kt),

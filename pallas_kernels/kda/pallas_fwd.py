@@ -93,8 +93,9 @@ class Tuning:
     mosaic_scan: bool = True
     # The inference forward's scan with o computed inside it (mosaic_scan.states_output_scan), for the gated inputs
     # with mosaic_scan's conditions: o = qg S + Aqk v_new while S and v_new are in shared memory, so that the chunk
-    # states and v_new are never written out and the per-chunk output kernel does not run. Interpret-verified and
-    # lowered for CUDA on the CPU; not yet timed, so off.
+    # states and v_new are never written out and the per-chunk output kernel does not run. On the H200 (benchmarks/
+    # results/kda_v12_h200/) the bounded forward at 4 x 8192 goes 2.12 -> 1.99 ms, but every B = 1 shape is slower
+    # (1 x 32768: 2.29 -> 2.38; the scan's 64 programs leave SMs idle and o lengthens its serial path), so off.
     mosaic_output: bool = False
     # Matmul operands of the forward's per-chunk kernels for 16-bit inputs: "tf32" (fp32 tiles), "bf16_scores" (bf16
     # in the decayed-score products only) or "bf16" (every product). fp32
@@ -118,10 +119,15 @@ class Tuning:
     # Unbounded gate, split forward: the exact diagonal blocks of Aqk and Akk in a kernel of their own, parallel over
     # 16-row blocks (diagonal_scores: per column, the row block's decayed products with that key, as fla's
     # token-parallel kernel does, elementwise in fp32 with every factor <= 1), which the scores kernel then adds,
-    # instead of pairwise_levels' four masked whole-chunk products per key tile in a second pass of the scores kernel
-    # (255 registers at 8 warps in the local sm_90a compile). Opt-in until timed on a GPU.
-    diagonal_kernel: bool = False
-    diagonal_warps: int = 4
+    # and their gradients likewise (pallas_bwd.diagonal_grads), instead of pairwise_levels' four masked whole-chunk
+    # products per key tile in a second pass of the scores kernel. On the H200 at 1 x 32768 (benchmarks/results/
+    # kda_v12_h200/): unbounded forward 5.14 -> 3.84 ms, forward+backward 13.92 -> 12.73 (diagonal_warps=8 in both
+    # passes), and the saturated gate's dg error halves. False: pairwise_levels.
+    diagonal_kernel: bool = True
+    # Warps of the forward diagonal kernel (H200 kernel time at 1 x 32768: 2 warps 1.78 ms, 4 2.88, 8 1.15, 16 1.33)
+    # and of its backward (4 warps 1.43 ms, 8 2.20, 16 2.59).
+    diagonal_warps: int = 8
+    diagonal_bwd_warps: int = 4
     # Input backward: "rows" (one 16-row block at a time: [R, C] x [C, Kt] products, a quarter of the masked whole-tile
     # ones' multiply-adds, [R, Kt] results live), "tiles" (whole [C, Kt] tiles: masked [C, C] x [C, Kt] products,
     # which Triton issues as warpgroup MMAs) or "auto": rows for the unbounded gate (the pairwise diagonal's
