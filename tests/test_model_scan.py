@@ -39,7 +39,10 @@ def _loss(model, variables, tokens, segment_ids):
     return jax.value_and_grad(loss, has_aux=True)(variables["params"])
 
 
-@pytest.mark.parametrize("remat, scanned_remat", [("none", "none"), ("all", "all"), ("all", "group")])
+# ("all", "group") in the default run; the other two (about 75 s each on 2 cores) with the slow tests.
+@pytest.mark.parametrize("remat, scanned_remat", [pytest.param("none", "none", marks=pytest.mark.slow),
+                                                  pytest.param("all", "all", marks=pytest.mark.slow),
+                                                  ("all", "group")])
 def test_scanned_layers_equal_the_unrolled_model(remat, scanned_remat):
     cfg = small_config(num_layers=8, remat=remat, router=C.RouterConfig(name="quantile"))
     tokens = jax.random.randint(jax.random.key(0), (2, 40), 0, cfg.vocab_size)
