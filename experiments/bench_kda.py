@@ -44,8 +44,8 @@ flags.DEFINE_list("tuned", [], "Pallas variants that run every --tunings entry (
                   "Pallas variants run the first entry only.")
 flags.DEFINE_bool("fla_first", False, "Run the fla child before the JAX variants.")
 flags.DEFINE_bool("overlap_compile", False, "With --fla_first: compile every Pallas row ahead of time (CPU only) "
-                  "while the fla child runs, instead of after it. Faster, but the host load may slow fla's launch-bound "
-                  "forward and skew its autotuning (benchmarks/results/kda_v12_h200/README.md).")
+                  "while the fla child runs, instead of after it. Faster, but the host load may slow fla's "
+                  "launch-bound forward and skew its autotuning (benchmarks/results/kda_v12_h200/README.md).")
 flags.DEFINE_float("deadline_s", 0.0, "Start no new JAX measurement after this many seconds (0: no deadline).")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_<card>.json / .md are written (card: h200, h100...).")
 flags.DEFINE_string("fla_worker", "", "Internal: run the fla timings for this job file and exit.")
