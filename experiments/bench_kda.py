@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +45,9 @@ flags.DEFINE_bool("fla_first", False, "Run the fla child before the JAX variants
 flags.DEFINE_bool("overlap_compile", False, "With --fla_first: compile every Pallas row ahead of time (CPU only) "
                   "while the fla child runs, instead of after it. Faster, but the host load may slow fla's "
                   "launch-bound forward and skew its autotuning (benchmarks/results/kda_v12_h200/README.md).")
+flags.DEFINE_enum("timer", "events", ["events", "wall", "both"], "How the JAX rows are timed: CUDA events around "
+                  "each call (experiments/cuda_events.py, as do_bench times fla), host wall clock over samples of 4 "
+                  "calls with one synchronisation each, or both (the wall figures as extra fields).")
 flags.DEFINE_float("deadline_s", 0.0, "Start no new JAX measurement after this many seconds (0: no deadline).")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_<card>.json / .md are written (card: h200, h100...).")
 flags.DEFINE_string("fla_worker", "", "Internal: run the fla timings for this job file and exit.")
@@ -99,24 +101,26 @@ def floor_ms(batch, seq_len, heads, dim):
     return batch * seq_len * heads * (3 * 2 * dim + 4 * dim + 2 * dim) / BANDWIDTH * 1e3
 
 
-def _median_ms(fn, inputs, repeats, calls_per_sample=4):
-    """Median ms per call over `repeats` samples; a sample is `calls_per_sample` calls dispatched back to back on
-    rotating input sets with one synchronisation at the end, so the device never waits on the host between calls
-    and the host-device round trip is paid once per sample, not per call."""
+_EVENTS = []  # the CudaEvents timer, once built
+
+
+def _median_ms(fn, inputs, repeats):
+    """Median ms per call: CUDA events around each call (--timer=events, cuda_events.CudaEvents) or host wall
+    clock over samples of 4 calls (--timer=wall, cuda_events.wall_median_ms); {"events": ms, "wall": ms} for
+    --timer=both."""
+    from experiments import cuda_events
     import jax
     start = time.perf_counter()
     jax.block_until_ready(fn(*inputs[0]))
     print(f"    first call {time.perf_counter() - start:.1f} s", flush=True)
-    for args in inputs:  # warm-up: touch every input set
-        jax.block_until_ready(fn(*args))
-    times = []
-    for i in range(repeats):
-        start = time.perf_counter()
-        for j in range(calls_per_sample):
-            out = fn(*inputs[(i * calls_per_sample + j) % len(inputs)])
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) * 1e3 / calls_per_sample)
-    return statistics.median(times)
+    out = {}
+    if FLAGS.timer in ("events", "both"):
+        if not _EVENTS:
+            _EVENTS.append(cuda_events.CudaEvents())
+        out["events"] = _EVENTS[0].median_ms(fn, inputs, repeats)
+    if FLAGS.timer in ("wall", "both"):
+        out["wall"] = cuda_events.wall_median_ms(fn, inputs, repeats)
+    return out
 
 
 def _jax_fns(backend, bounded, tuning):
@@ -265,7 +269,11 @@ def bench_jax(shape, variant, tuning, tuning_name="base"):
     fwdbwd_ms = _median_ms(grads, [(*a, do) for a, do in sets], repeats)
     out = fwd(*sets[0][0])
     del sets
-    return dict(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms, max_err_ratio=ratio, errors=errs), jax.device_get(out)
+    main = "events" if "events" in fwd_ms else "wall"
+    times = dict(fwd_ms=fwd_ms[main], fwdbwd_ms=fwdbwd_ms[main], timer=main)
+    if len(fwd_ms) > 1:
+        times.update(fwd_ms_wall=fwd_ms["wall"], fwdbwd_ms_wall=fwdbwd_ms["wall"])
+    return dict(**times, max_err_ratio=ratio, errors=errs), jax.device_get(out)
 
 
 def start_fla_child(jobs):
@@ -386,24 +394,27 @@ def result_name(device_kind):
 def write_tables(rows, versions, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     name = result_name(versions["gpu"])
-    keys = ("variant", "tuning", "B", "T", "H", "D", "fwd_ms", "fwdbwd_ms", "max_err_ratio", "errors")
+    keys = ("variant", "tuning", "B", "T", "H", "D", "fwd_ms", "fwdbwd_ms", "timer", "fwd_ms_wall", "fwdbwd_ms_wall",
+            "max_err_ratio", "errors")
     with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump([{k: ({n: float(e) for n, e in r[k].items()} if k == "errors" else r[k]) for k in keys if k in r}
                    for r in rows], f, indent=1)
     lines = [f"Chunked KDA on {versions['gpu']} (jax {versions['jax']}, jaxlib {versions['jaxlib']}, "
              f"fla {versions.get('fla', '-')}, torch {versions.get('torch', '-')}); bf16 q/k/v/beta, fp32 g, "
-             "K = V = D, HV = H, chunk 64. Medians: JAX rows over samples of 4 calls dispatched back to back (one "
-             "synchronisation per sample, rotating 3 input sets), fla rows by triton's do_bench (CUDA events). "
+             "K = V = D, HV = H, chunk 64. Medians over rotating 3 input sets: JAX rows timed as their `timer` field "
+             "says (events: CUDA events around each call, experiments/cuda_events.py; wall: host clock over samples "
+             "of 4 calls with one synchronisation each), fla rows by triton's do_bench (CUDA events). "
              "max_err_ratio = max over o, state, dq, dk, dv, dg, dbeta of "
              "(relative RMS error vs the fp32 token-by-token reference) / bar, at T = "
              f"{FLAGS.verify_len}. Floor: forward bytes B*T*H*(3*2*D + 4*D + 2*D) at 4.3 TB/s; the backward moves 2.2x "
              "that, so the fwd+bwd floor is 3.2x the forward's. Pallas launch tuning: "
              f"{versions.get('tuning', '-')}.",
-             "", "| variant | tuning | B | T | H | D | fwd ms | x floor | fwd+bwd ms | x floor | max err/bar |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| variant | tuning | timer | B | T | H | D | fwd ms | x floor | fwd+bwd ms | x floor | max err/bar |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         floor = floor_ms(r["B"], r["T"], r["H"], r["D"])
-        lines.append(f"| {r['variant']} | {r['tuning']} | {r['B']} | {r['T']} | {r['H']} | {r['D']} | "
+        timer = r.get("timer", "events" if r["variant"].startswith("fla") else "wall")
+        lines.append(f"| {r['variant']} | {r['tuning']} | {timer} | {r['B']} | {r['T']} | {r['H']} | {r['D']} | "
                      f"{r['fwd_ms']:.3f} | "
                      f"{r['fwd_ms'] / floor:.1f} | {r['fwdbwd_ms']:.3f} | {r['fwdbwd_ms'] / (3.2 * floor):.1f} | "
                      f"{r['max_err_ratio']:.3f} |")

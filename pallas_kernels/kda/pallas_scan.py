@@ -147,7 +147,9 @@ def scores_output_scan(w, kd, u, d, aqk, q, g, doc, doc_prev, initial_state, *, 
     value_dim = u.shape[-1]
     group = value_heads // q.shape[2]
     tile = min(tuning.state_tile, value_dim)
-    if qg is not None and tuning.mosaic_output and mosaic_scan.use(tuning, w, kd, qg, u, tile=tile):
+    programs = initial_state.shape[0] * value_heads * (value_dim // tile)
+    fused = tuning.mosaic_output and programs >= tuning.mosaic_output_programs
+    if qg is not None and fused and mosaic_scan.use(tuning, w, kd, qg, u, tile=tile):
         return mosaic_scan.states_output_scan(w, kd, u, d, qg, aqk, initial_state, out_dtype=out_dtype, tile=tile,
                                               interpret=interpret)
     final, chunk_states, v_new = _states_scan(w, kd, u, d, initial_state, tuning=tuning, interpret=interpret,

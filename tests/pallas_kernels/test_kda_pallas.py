@@ -765,10 +765,12 @@ def test_mosaic_states_output_scan_matches_reference(tile):
     assert relative_rms_error(np.asarray(o_ref), np.asarray(hi_only)) > 1e-4  # the lo part matters at this tolerance
 
 
-def test_mosaic_output_in_the_inference_forward(monkeypatch):
+@pytest.mark.parametrize("programs, kernel", [(2, "states_output_scan"), (3, "states_scan")])
+def test_mosaic_output_in_the_inference_forward(monkeypatch, programs, kernel):
     # chunk_kda's inference forward with Tuning(mosaic_output=True) against the reference, K = V = 64 (the gated
-    # inputs need K = V); the fused kernel must be the one that ran.
+    # inputs need K = V). The scan has B x HV x V / state_tile = 2 programs: the fused kernel must be the one that ran
+    # when mosaic_output_programs allows 2, the states-only scan (and the output kernel) when it asks for 3.
     from pallas_kernels.kda.pallas_fwd import Tuning
-    _, _, ran, _ = _mosaic_inference_forward(monkeypatch, Tuning(mosaic_output=True), 5, 64,
-                                             ("states_output_scan", "states_scan"))
-    assert ran == ["states_output_scan"]
+    tuning = Tuning(mosaic_output=True, mosaic_output_programs=programs)
+    _, _, ran, _ = _mosaic_inference_forward(monkeypatch, tuning, 5, 64, ("states_output_scan", "states_scan"))
+    assert ran == [kernel]
