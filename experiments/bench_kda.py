@@ -179,9 +179,9 @@ def error_ratio(ref, out):
     return max(errs[n] / BARS[n] for n in errs), errs
 
 
-def _verify_jax(backend, bounded, tuning, heads, dim):
+def _verify_jax(backend, bounded, tuning, heads, dim, batch=1):
     import jax.numpy as jnp
-    x = numpy_inputs(7, 1, FLAGS.verify_len, heads, dim, bounded)
+    x = numpy_inputs(7, batch, FLAGS.verify_len, heads, dim, bounded)
     args, do = _device_inputs(x, 7)
     ref = reference_outputs(x, np.asarray(do, np.float32))
     _, grads, forward = _jax_fns(backend, bounded, tuning)
@@ -257,11 +257,12 @@ def bench_jax(shape, variant, tuning, tuning_name="base"):
     batch, seq_len, heads, dim = shape
     if not FLAGS.verify:
         ratio, errs = float("nan"), {}
-    elif (variant, tuning_name, heads, dim) in _VERIFIED:  # the check depends on the heads and width, not B or T
-        ratio, errs = _VERIFIED[variant, tuning_name, heads, dim]
-    else:
-        ratio, errs = _VERIFIED[variant, tuning_name, heads, dim] = _verify_jax(backend, bounded, tuning, heads, dim)
-    print(f"  verify {variant} T={FLAGS.verify_len}: max err/bar {ratio:.3f} {errs}", flush=True)
+    elif (variant, tuning_name, batch, heads, dim) in _VERIFIED:
+        ratio, errs = _VERIFIED[variant, tuning_name, batch, heads, dim]
+    else:  # at the row's batch, heads and width (the kernels a tuning picks may depend on them: mosaic_output_programs)
+        ratio, errs = _VERIFIED[variant, tuning_name, batch, heads, dim] = _verify_jax(backend, bounded, tuning, heads,
+                                                                                       dim, batch)
+    print(f"  verify {variant} B={batch} T={FLAGS.verify_len}: max err/bar {ratio:.3f} {errs}", flush=True)
     fwd, grads = _compiled_fns(shape, variant, tuning, tuning_name)
     sets = [random_inputs(s, batch, seq_len, heads, dim, bounded) for s in range(3)]
     repeats = FLAGS.xla_repeats if backend == "xla" else FLAGS.repeats

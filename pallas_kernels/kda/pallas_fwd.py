@@ -95,11 +95,12 @@ class Tuning:
     # with mosaic_scan's conditions: o = qg S + Aqk v_new while S and v_new are in shared memory, so that the chunk
     # states and v_new are never written out and the per-chunk output kernel does not run. On the H200 (benchmarks/
     # results/kda_v12_h200/) the bounded forward at 4 x 8192 goes 2.12 -> 1.99 ms, but every B = 1 shape is slower
-    # (1 x 32768: 2.29 -> 2.38; the scan's 64 programs leave SMs idle and o lengthens its serial path), so off.
-    mosaic_output: bool = False
-    # With mosaic_output: only where the scan has at least this many programs (B x HV x V / state_tile; 0: always),
-    # so that computing o inside it does not lengthen the serial path of a scan that leaves SMs idle.
-    mosaic_output_programs: int = 0
+    # (1 x 32768: 2.29 -> 2.38; the scan's 64 programs leave SMs idle and o lengthens its serial path). Hence
+    # mosaic_output_programs: only where the scan has at least that many programs (B x HV x V / state_tile; 0:
+    # always), so that computing o inside it does not lengthen the serial path of a scan that leaves SMs idle. 256 is
+    # the smallest count measured faster (4 x 8192 x 16 heads); 64 (B = 1) was slower, 128 was not measured.
+    mosaic_output: bool = True
+    mosaic_output_programs: int = 256
     # Matmul operands of the forward's per-chunk kernels for 16-bit inputs: "tf32" (fp32 tiles), "bf16_scores" (bf16
     # in the decayed-score products only) or "bf16" (every product). fp32
     # accumulation throughout. "bf16" puts o at 0.9-1.0 of its bar (relative RMS 4.4e-3 at K = 128 on the H200,

@@ -447,7 +447,7 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
                                                        ("fused_scores=0,output_from_scores=1", False, None),
                                                        ("mosaic_scan=0", False, -5.0),
                                                        ("mosaic_scan=0", True, None),
-                                                       ("mosaic_output=1,output_from_scores=1", False, -5.0),
+                                                       ("mosaic_output_programs=0,output_from_scores=1", False, -5.0),
                                                        ("diagonal_kernel=1", True, None),
                                                        ("diagonal_kernel=1,output_from_scores=1", False, None)])
 def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
@@ -474,7 +474,8 @@ def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     lean = "kda_lean_intra_fwd" if "split_intra=0" in tuning_text else "kda_lean_outputs_fwd"
-    fused_output = tuning.mosaic_output and not grads  # the scan computes o: no output kernel
+    programs = 1 * 2 * (64 // tuning.state_tile)  # B x HV x V / state_tile programs in the forward scan
+    fused_output = tuning.mosaic_output and programs >= tuning.mosaic_output_programs and not grads  # o in the scan
     if grads:
         names = ("kda_scores_fwd", "kda_input_bwd")
     else:
