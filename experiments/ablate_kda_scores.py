@@ -1,0 +1,89 @@
+"""Where the time of the forward's scores kernel goes: the Pallas inference forward (bounded gate) with one stage of
+`kda_scores_fwd` left out or changed at a time, each CUDA-event-timed (experiments/cuda_events.py) beside the
+unchanged kernel. H200.md's method without hardware counters: time variants that leave a stage out and take
+differences.
+
+  python -m experiments.ablate_kda_scores --shape=4x8192x16x128
+
+Variants (--variants): base; no_solve (T = Akk: no inverse); no_gated (the gated inputs qg, kb, kd, d not
+written); no_products (the decayed-score products replaced by zeros: what remains is the decay exponentials, the
+masks and the solve); solve_bf16 (the inverse's products with bf16 operands); any `t:FIELD=VALUE,...` (a Tuning, as
+bench_kda's --tunings). Leaving a stage out makes the outputs wrong by design: each row also prints its error
+against the reference (bench_kda's check at T = 1024) so that a variant that is right (solve_bf16, tunings) can be
+judged on both.
+"""
+
+import contextlib
+import time
+
+import numpy as np
+from absl import app, flags
+
+from experiments import bench_kda
+
+flags.DEFINE_string("shape", "4x8192x16x128", "BxTxHxD of the timed forward.")
+flags.DEFINE_list("ablations", ["base", "no_solve", "no_gated", "no_products", "solve_bf16", "t:intra_tile=16",
+                                "t:intra_warps=8"], "Variants to time, in order (see the module docstring).")
+flags.DEFINE_integer("timed_calls", 30, "Event-timed calls per variant (median reported).")
+FLAGS = flags.FLAGS
+
+STAGES = ("base", "no_solve", "no_gated", "no_products", "solve_bf16")
+
+
+@contextlib.contextmanager
+def patched(name):
+    """Within: pallas_fwd with the stage `name` left out or changed (module attributes swapped at trace time)."""
+    import jax.numpy as jnp
+    from pallas_kernels.kda import pallas_blocks as blk
+    from pallas_kernels.kda import pallas_fwd
+    if name not in STAGES:
+        raise ValueError(f"ablation must be one of {STAGES} or t:FIELD=VALUE,..., got {name!r}")
+    solve = pallas_fwd._solve
+
+    def solve_bf16(beta_ref, akk):
+        with blk.matmul_precision(blk.BF16_OPERANDS):
+            return solve(beta_ref, akk)
+
+    def zero_scores(x, dec, **kw):
+        del dec, kw
+        return (jnp.zeros((x.q.shape[0],) * 2, jnp.float32),) * 2
+
+    swaps = {"no_solve": ("_solve", lambda beta_ref, akk: akk), "no_gated": ("_write_gated", lambda *a: None),
+             "no_products": ("partial_scores", zero_scores), "solve_bf16": ("_solve", solve_bf16)}
+    if name not in swaps:
+        yield
+        return
+    attr, value = swaps[name]
+    original = getattr(pallas_fwd, attr)
+    setattr(pallas_fwd, attr, value)
+    try:
+        yield
+    finally:
+        setattr(pallas_fwd, attr, original)
+
+
+def main(argv):
+    del argv
+    import jax
+    from experiments.cuda_events import CudaEvents
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    shape = tuple(int(s) for s in FLAGS.shape.split("x"))
+    events = CudaEvents()
+    sets = [bench_kda.random_inputs(seed, *shape, True)[0] for seed in range(3)]
+    print(f"bounded inference forward, {jax.devices()[0].device_kind}, B x T x H x D = {FLAGS.shape}")
+    for name in FLAGS.ablations:
+        jax.clear_caches()  # the kernels are traced again under this variant's patch
+        tuning = Tuning.from_string(name[2:]) if name.startswith("t:") else Tuning()
+        with patched("base" if name.startswith("t:") else name):
+            ratio, errs = bench_kda._verify_jax("pallas", True, tuning, shape[2], shape[3])
+            forward = bench_kda._jax_fns("pallas", True, tuning)[0]
+            start = time.perf_counter()
+            jax.block_until_ready(forward(*sets[0]))
+            compile_s = time.perf_counter() - start
+            times = events.times_ms(forward, sets, FLAGS.timed_calls)
+        print(f"{name:24s} fwd {np.median(times):.3f} ms (min {min(times):.3f})  max err/bar {ratio:.3f}  "
+              f"o {errs['o']:.2e}  first call {compile_s:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
