@@ -3,14 +3,13 @@
 unchanged kernel. H200.md's method without hardware counters: time variants that leave a stage out and take
 differences.
 
-  python -m experiments.ablate_kda_scores --shape=4x8192x16x128
+  python -m experiments.ablate_kda_scores --shape=4x8192x16x128   (--shape: profile_kda's flag)
 
-Variants (--variants): base; no_solve (T = Akk: no inverse); no_gated (the gated inputs qg, kb, kd, d not
+Variants (--ablations): base; no_solve (T = Akk: no inverse); no_gated (the gated inputs qg, kb, kd, d not
 written); no_products (the decayed-score products replaced by zeros: what remains is the decay exponentials, the
-masks and the solve); solve_bf16 (the inverse's products with bf16 operands); any `t:FIELD=VALUE,...` (a Tuning, as
-bench_kda's --tunings). Leaving a stage out makes the outputs wrong by design: each row also prints its error
-against the reference (bench_kda's check at T = 1024) so that a variant that is right (solve_bf16, tunings) can be
-judged on both.
+masks and the solve); any `t:FIELD=VALUE,...` (a Tuning, as bench_kda's --tunings, e.g. t:solve_operands=bf16).
+Leaving a stage out makes the outputs wrong by design: each row also prints its error against the reference
+(bench_kda's check at T = 1024) so that a variant that is right (a tuning) can be judged on both.
 """
 
 import contextlib
@@ -19,37 +18,31 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments import bench_kda
+from experiments import bench_kda, profile_kda  # noqa: F401 - profile_kda: the --shape flag (BxTxHxD)
 
-flags.DEFINE_string("shape", "4x8192x16x128", "BxTxHxD of the timed forward.")
-flags.DEFINE_list("ablations", ["base", "no_solve", "no_gated", "no_products", "solve_bf16", "t:intra_tile=16",
-                                "t:intra_warps=8"], "Variants to time, in order (see the module docstring).")
+flags.DEFINE_list("ablations", ["base", "no_solve", "no_gated", "no_products", "t:solve_operands=bf16",
+                                "t:intra_tile=16", "t:intra_warps=8"],
+                  "Variants to time, in order (see the module docstring).")
 flags.DEFINE_integer("timed_calls", 30, "Event-timed calls per variant (median reported).")
 FLAGS = flags.FLAGS
 
-STAGES = ("base", "no_solve", "no_gated", "no_products", "solve_bf16")
+STAGES = ("base", "no_solve", "no_gated", "no_products")
 
 
 @contextlib.contextmanager
 def patched(name):
     """Within: pallas_fwd with the stage `name` left out or changed (module attributes swapped at trace time)."""
     import jax.numpy as jnp
-    from pallas_kernels.kda import pallas_blocks as blk
     from pallas_kernels.kda import pallas_fwd
     if name not in STAGES:
         raise ValueError(f"ablation must be one of {STAGES} or t:FIELD=VALUE,..., got {name!r}")
-    solve = pallas_fwd._solve
-
-    def solve_bf16(beta_ref, akk):
-        with blk.matmul_precision(blk.BF16_OPERANDS):
-            return solve(beta_ref, akk)
-
     def zero_scores(x, dec, **kw):
         del dec, kw
         return (jnp.zeros((x.q.shape[0],) * 2, jnp.float32),) * 2
 
-    swaps = {"no_solve": ("_solve", lambda beta_ref, akk: akk), "no_gated": ("_write_gated", lambda *a: None),
-             "no_products": ("partial_scores", zero_scores), "solve_bf16": ("_solve", solve_bf16)}
+    swaps = {"no_solve": ("_solve", lambda beta_ref, akk, bf16=False: akk),
+             "no_gated": ("_write_gated", lambda *a: None),
+             "no_products": ("partial_scores", zero_scores)}
     if name not in swaps:
         yield
         return

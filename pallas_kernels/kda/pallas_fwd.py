@@ -7,6 +7,7 @@ contiguous tile. The per-chunk kernels then never see T: their compiled code is 
 and batch size.
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -25,6 +26,7 @@ _F32 = jnp.float32
 
 WARPS = (1, 2, 4, 8, 16)  # warps per program that Triton accepts (a power of two, at most 16)
 GATED_INPUTS = ("bounded", "both", "none")  # Tuning.gated_inputs: for which gates
+SOLVE_OPERANDS = ("tf32", "bf16")  # Tuning.solve_operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,11 @@ class Tuning:
     # unsplit, one kernel per chunk writes w, kd, u and Aqk (the inverse stays in the program; slower on the H200).
     # 16-bit inputs only (pallas_op.lean_forward: with fp32 ones the output kernel needs too much shared memory).
     output_from_scores: bool = True
+    # Matmul operands of the split forward's solve, T = (I + diag(beta) Akk)^-1 (ten [C, C] x [C, C] products), for
+    # 16-bit inputs: "tf32" (intra_operands' choice for it: TF32 under bf16_scores) or "bf16" (half the warpgroup MMA
+    # instructions of the TF32 products in the bounded scores kernel's sm_90a compile, 96 -> 56; o moves by 1.9e-4
+    # relative on the CPU, against a 5e-3 bar). Not yet timed on a GPU (experiments/ablate_kda_scores.py).
+    solve_operands: str = "tf32"
     # Warps of the forward's per-chunk score kernel for the unbounded gate (intra_warps: the bounded one's). Its exact
     # diagonal blocks (pallas_blocks.pairwise_levels, a second pass over the key tiles) compile without spills at 8
     # (4: 768 B) and run 6% faster there (H100).
@@ -142,6 +149,8 @@ class Tuning:
     def __post_init__(self):
         if self.gated_inputs not in GATED_INPUTS:
             raise ValueError(f"Tuning.gated_inputs must be one of {GATED_INPUTS}, got {self.gated_inputs!r}")
+        if self.solve_operands not in SOLVE_OPERANDS:
+            raise ValueError(f"Tuning.solve_operands must be one of {SOLVE_OPERANDS}, got {self.solve_operands!r}")
         for field in dataclasses.fields(self):
             warps = getattr(self, field.name)
             if field.name.endswith("_warps") and warps not in WARPS:
@@ -323,9 +332,10 @@ def _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
     return mask_scores(doc_ref[...], aqk, akk)  # loaded again: nothing of the first pass lives through the second
 
 
-def _solve(beta_ref, akk):
-    """T = (I + diag(beta) Akk)^-1 [C, C]."""
-    return unit_lower_inverse(beta_ref[...].astype(_F32)[:, None] * akk)
+def _solve(beta_ref, akk, bf16=False):
+    """T = (I + diag(beta) Akk)^-1 [C, C]; bf16: its products on bf16 operands (Tuning.solve_operands)."""
+    with blk.matmul_precision(blk.BF16_OPERANDS) if bf16 else contextlib.nullcontext():
+        return unit_lower_inverse(beta_ref[...].astype(_F32)[:, None] * akk)
 
 
 def _solved_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, **kw):
@@ -395,7 +405,7 @@ def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, 
 
 @with_precision
 def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *refs, scale, dense, tile, squares, gated,
-                  fused, diagonal):
+                  fused, diagonal, solve_bf16=False):
     """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve. refs: with `diagonal`
     first the diagonal blocks of Aqk and Akk (diagonal_scores); then the outputs: Aqk, Akk, T (squares = 3; Akk is
     kept for the backward only) or Aqk, T (squares = 2), then with `gated` the qg, kb, kd, d refs of the gated
@@ -413,7 +423,7 @@ def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *refs, scale
 
     if fused:
         store_scores()
-    t = _solve(beta_ref, akk)
+    t = _solve(beta_ref, akk, solve_bf16)
     if not fused:
         store_scores()
     t_ref[...] = t.astype(t_ref.dtype)
@@ -597,7 +607,8 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
             jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)]
     outs = pl.pallas_call(
         functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
-                          fused=tuning.fused_scores, squares=squares, gated=gated, diagonal=diagonal),
+                          fused=tuning.fused_scores, squares=squares, gated=gated, diagonal=diagonal,
+                          solve_bf16=tuning.solve_operands == "bf16" and q.dtype in (jnp.bfloat16, jnp.float16)),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]] + [
             chunk_tile(chunk, blk.ROWS)] * len(extra),

@@ -201,6 +201,25 @@ def test_bf16_operands_in_the_per_chunk_kernels_match_reference(monkeypatch, ope
     _compare(x, g_min, 64, _segments(1, 200), tol=tol)
 
 
+def test_bf16_solve_meets_the_bf16_bars(monkeypatch):
+    # Tuning(solve_operands="bf16"): the split forward's solve on bf16 operands, for bf16 inputs only; both passes
+    # (its T is the backward's residual) within the bf16 bars of the reference.
+    from pallas_kernels.kda import pallas_fwd
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    _interpret_with(monkeypatch, Tuning(solve_operands="bf16"))
+    solves = []
+    solve = pallas_fwd._solve
+    monkeypatch.setattr(pallas_fwd, "_solve", lambda beta_ref, akk, bf16=False: solves.append(bf16) or solve(
+        beta_ref, akk, bf16))
+    x = random_inputs(7, batch=1, seq_len=200, heads=1, value_heads=2, key_dim=32, value_dim=32, gate="bounded",
+                      g_min=-5.0, dtype=jnp.bfloat16)
+    tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
+    _compare(x, -5.0, 64, _segments(1, 200), tol=tol)
+    assert solves and all(solves)
+    with pytest.raises(ValueError, match="solve_operands must be one of"):
+        Tuning(solve_operands="fp16")
+
+
 @pytest.mark.parametrize("operands", ["tf32", "bf16"])
 def test_bf16_ungrouped_path_writes_input_dtypes_and_16_bit_residuals(monkeypatch, operands):
     # The GPU layout (64-token chunks, K = V, one value head per key head): the split forward's fused output
