@@ -21,8 +21,9 @@ def _segments(t):
     return jnp.asarray(ids)
 
 
-@pytest.mark.parametrize("with_docs", [False, True])
-@pytest.mark.parametrize("piece", [32, 64])
+@pytest.mark.parametrize("with_docs, piece", [(False, 32), (True, 64),  # the other two pairs with the slow tests
+                                             pytest.param(True, 32, marks=pytest.mark.slow),
+                                             pytest.param(False, 64, marks=pytest.mark.slow)])
 def test_pieces_match_one_pass(with_docs, piece):
     t = 150  # not a multiple of the piece: the last piece is padded
     x = jax.random.normal(jax.random.PRNGKey(1), (2, t, 32))

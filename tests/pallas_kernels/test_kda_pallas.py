@@ -146,7 +146,7 @@ def test_separate_output_kernel_matches_reference(monkeypatch, gate, g_min):
     assert "kda_states_fwd" in jaxpr and "kda_output_fwd" in jaxpr
 
 
-@pytest.mark.parametrize("separate_output", [False, True])
+@pytest.mark.parametrize("separate_output", [pytest.param(False, marks=pytest.mark.slow), True])  # True: default
 def test_low_precision_scans_meet_the_bf16_bars(monkeypatch, separate_output):
     # Tuning(scan_low_precision=True): the scans multiply with the state, v_new and dS rounded to bf16 (fp32
     # accumulation, fp32 state); with bf16 inputs the results must stay within the bf16 bars.
@@ -547,7 +547,7 @@ def test_key_and_value_widths_may_differ(monkeypatch):
     _compare(x, -5.0, 64, ids, tol=1e-5)
 
 
-@pytest.mark.parametrize("low", [False, True])
+@pytest.mark.parametrize("low", [False, pytest.param(True, marks=pytest.mark.slow)])  # an opt-in scan layout
 def test_transposed_state_scan_matches_reference(monkeypatch, low):
     # Tuning(scan_transposed=True): the forward's state scan carries S^T (both scan products take the carried operand
     # on the left); the backward reads the same stored states and v_new. Two batches, documents, GVA, initial state.
