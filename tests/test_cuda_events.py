@@ -24,3 +24,17 @@ def test_the_timer_refuses_a_backend_without_cuda():
     assert jax.default_backend() == "cpu"
     with pytest.raises(RuntimeError, match="CUDA GPU backend, got 'cpu'"):
         cuda_events.CudaEvents()
+
+
+def test_bench_kda_times_by_the_host_clock_without_a_gpu():
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from experiments import bench_kda
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    fn = jax.jit(lambda x: x * 2)
+    inputs = [(jax.numpy.ones(8),)] * 3
+    with flagsaver.flagsaver(timer="both"):
+        times = bench_kda._median_ms(fn, inputs, repeats=3)
+    assert set(times) == {"wall"} and times["wall"] > 0  # a CPU dry run still gets its rows, by the host clock
