@@ -10,7 +10,8 @@ fla autotunes and times, which may cost fla forward time (off by default; kda_v1
 with XLA_PYTHON_CLIENT_PREALLOCATE=false so that the child has the GPU's memory. The Pallas variants run once per
 entry of --tunings. Rows go to kda_h200.json and a markdown table to kda_h200.md (kda_<card>.* when the device is not
 an H200, e.g. kda_h100.*), rewritten after every row, so a run stopped by --deadline_s or a time limit keeps what it
-measured.
+measured. Both frameworks are timed by CUDA events around each call: fla by triton's do_bench, the JAX rows by
+experiments/cuda_events.py (--timer; on a CPU dry run, the host clock).
 """
 
 import dataclasses
