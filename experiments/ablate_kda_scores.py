@@ -36,6 +36,7 @@ def patched(name):
     from pallas_kernels.kda import pallas_fwd
     if name not in STAGES:
         raise ValueError(f"ablation must be one of {STAGES} or t:FIELD=VALUE,..., got {name!r}")
+
     def zero_scores(x, dec, **kw):
         del dec, kw
         return (jnp.zeros((x.q.shape[0],) * 2, jnp.float32),) * 2

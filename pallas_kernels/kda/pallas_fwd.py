@@ -151,6 +151,9 @@ class Tuning:
             raise ValueError(f"Tuning.gated_inputs must be one of {GATED_INPUTS}, got {self.gated_inputs!r}")
         if self.solve_operands not in SOLVE_OPERANDS:
             raise ValueError(f"Tuning.solve_operands must be one of {SOLVE_OPERANDS}, got {self.solve_operands!r}")
+        if not isinstance(self.mosaic_output_programs, int) or self.mosaic_output_programs < 0:
+            raise ValueError("Tuning.mosaic_output_programs must be an integer >= 0 (0: always), got "
+                             f"{self.mosaic_output_programs!r}")
         for field in dataclasses.fields(self):
             warps = getattr(self, field.name)
             if field.name.endswith("_warps") and warps not in WARPS:

@@ -409,6 +409,8 @@ def test_output_tile_and_warps_are_checked():
     with pytest.raises(ValueError, match="Tuning.intra_warps must be one of"):
         Tuning.from_string("intra_warps=0")
     assert Tuning.from_string("pairwise_warps=4").pairwise_warps == 4
+    with pytest.raises(ValueError, match=r"Tuning.mosaic_output_programs must be an integer >= 0 .*got -1"):
+        Tuning.from_string("mosaic_output_programs=-1")
 
 
 def _three_document_forward(x, g_min):
