@@ -120,8 +120,9 @@ class Tuning:
     output_from_scores: bool = True
     # Matmul operands of the split forward's solve, T = (I + diag(beta) Akk)^-1 (ten [C, C] x [C, C] products), for
     # 16-bit inputs: "tf32" (intra_operands' choice for it: TF32 under bf16_scores) or "bf16" (half the warpgroup MMA
-    # instructions of the TF32 products in the bounded scores kernel's sm_90a compile, 96 -> 56; o moves by 1.9e-4
-    # relative on the CPU, against a 5e-3 bar). Not yet timed on a GPU (experiments/ablate_kda_scores.py).
+    # instructions of the TF32 products in the bounded scores kernel's sm_90a compile, 96 -> 56; every error of the
+    # interpret-mode verify_kda within 1e-4 of the default's: benchmarks/results/kda_verify_cpu/interpret_solve_bf16
+    # .txt against interpret_v14_defaults.txt). Not yet timed on a GPU (experiments/ablate_kda_scores.py).
     solve_operands: str = "tf32"
     # Warps of the forward's per-chunk score kernel for the unbounded gate (intra_warps: the bounded one's). Its exact
     # diagonal blocks (pallas_blocks.pairwise_levels, a second pass over the key tiles) compile without spills at 8
