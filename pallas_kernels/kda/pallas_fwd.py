@@ -118,12 +118,15 @@ class Tuning:
     # unsplit, one kernel per chunk writes w, kd, u and Aqk (the inverse stays in the program; slower on the H200).
     # 16-bit inputs only (pallas_op.lean_forward: with fp32 ones the output kernel needs too much shared memory).
     output_from_scores: bool = True
-    # Matmul operands of the split forward's solve, T = (I + diag(beta) Akk)^-1 (ten [C, C] x [C, C] products), for
-    # 16-bit inputs: "tf32" (intra_operands' choice for it: TF32 under bf16_scores) or "bf16" (half the warpgroup MMA
-    # instructions of the TF32 products in the bounded scores kernel's sm_90a compile, 96 -> 56; every error of the
-    # interpret-mode verify_kda within 1e-4 of the default's: benchmarks/results/kda_verify_cpu/interpret_solve_bf16
-    # .txt against interpret_v14_defaults.txt). Not yet timed on a GPU (experiments/ablate_kda_scores.py).
-    solve_operands: str = "tf32"
+    # Matmul operands of the split forward's solve, T = (I + diag(beta) Akk)^-1 (ten dependent [C, C] x [C, C]
+    # products), for 16-bit inputs: "bf16" or "tf32" (intra_operands' choice for it: TF32 under bf16_scores). In the
+    # bounded scores kernel's sm_90a compile, bf16 halves the solve's warpgroup MMA instructions (96 -> 56 in the
+    # kernel) and, since a 16-bit MMA result becomes the next product's operand without the shared-memory round trip
+    # a TF32 one takes, cuts warp shuffles 516 -> 196 and shared stores 427 -> 107. Event-timed on an H100
+    # (benchmarks/results/kda_v15_h100/): bounded forward 7-9% faster at all four shapes (1 x 32768: 2.263 ->
+    # 2.098 ms), forward+backward 1-3%; verify_kda passes every bar with it (errors within 1e-4 of TF32's in the
+    # interpret-mode run, benchmarks/results/kda_verify_cpu/interpret_solve_bf16.txt).
+    solve_operands: str = "bf16"
     # Warps of the forward's per-chunk score kernel for the unbounded gate (intra_warps: the bounded one's). Its exact
     # diagonal blocks (pallas_blocks.pairwise_levels, a second pass over the key tiles) compile without spills at 8
     # (4: 768 B) and run 6% faster there (H100).

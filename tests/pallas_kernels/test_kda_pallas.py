@@ -201,12 +201,13 @@ def test_bf16_operands_in_the_per_chunk_kernels_match_reference(monkeypatch, ope
     _compare(x, g_min, 64, _segments(1, 200), tol=tol)
 
 
-def test_bf16_solve_meets_the_bf16_bars(monkeypatch):
-    # Tuning(solve_operands="bf16"): the split forward's solve on bf16 operands, for bf16 inputs only; both passes
-    # (its T is the backward's residual) within the bf16 bars of the reference.
+@pytest.mark.parametrize("operands", ["bf16", pytest.param("tf32", marks=pytest.mark.slow)])
+def test_solve_operands_meet_the_bf16_bars(monkeypatch, operands):
+    # Tuning.solve_operands: the split forward's solve on bf16 operands (the default) or TF32, for bf16 inputs; both
+    # passes (its T is the backward's residual) within the bf16 bars of the reference.
     from pallas_kernels.kda import pallas_fwd
     from pallas_kernels.kda.pallas_fwd import Tuning
-    _interpret_with(monkeypatch, Tuning(solve_operands="bf16"))
+    _interpret_with(monkeypatch, Tuning(solve_operands=operands))
     solves = []
     solve = pallas_fwd._solve
     monkeypatch.setattr(pallas_fwd, "_solve", lambda beta_ref, akk, bf16=False: solves.append(bf16) or solve(
@@ -215,7 +216,7 @@ def test_bf16_solve_meets_the_bf16_bars(monkeypatch):
                       g_min=-5.0, dtype=jnp.bfloat16)
     tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
     _compare(x, -5.0, 64, _segments(1, 200), tol=tol)
-    assert solves and all(solves)
+    assert solves and all(bf16 == (operands == "bf16") for bf16 in solves)
     with pytest.raises(ValueError, match="solve_operands must be one of"):
         Tuning(solve_operands="fp16")
 
