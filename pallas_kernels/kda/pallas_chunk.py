@@ -22,6 +22,15 @@ from pallas_kernels.kda.pallas_blocks import (ROWS, cumsum_rows, mm, mm_nt, mm_t
 _F32 = jnp.float32
 
 
+class CumulativeGates(NamedTuple):
+    """A chunk's gates as its kernel reads them from their prefix sums in memory: the anchor rows and the last row
+    are loads, not reductions across the tile."""
+
+    gam: jax.Array  # [C, K] inclusive cumulative log decay
+    anchors: list  # [1, K] gam of each 16-row block's first row
+    last: jax.Array  # [1, K] gam of the chunk's last row
+
+
 class ChunkIn(NamedTuple):
     """One chunk's inputs as fp32 tiles."""
 
@@ -35,6 +44,9 @@ class ChunkIn(NamedTuple):
     doc_last: jax.Array  # scalar (or [1, 1]): document of the chunk's last token
     # [1, C]: doc as a row, where the kernel has it in that layout (Mosaic TPU: no [C] vectors); None: from doc.
     doc_row: jax.Array = None
+    # The gates already summed (Tuning.cumulative_gates: CumulativeGates read from the prefix-sum kernel's output);
+    # g is then None.
+    cumulative: CumulativeGates = None
 
     def _same_doc(self, other):
         """[C, 1] bool: doc == other, from a [C] doc (then widened) or a [C, 1] one."""
@@ -62,11 +74,15 @@ class Decay(NamedTuple):
     row_factor: jax.Array  # [C, K] e^(gam - a_(block of the row)) <= 1
 
 
-def decay(g):
-    gam = cumsum_rows(g)
+def decay(g, cumulative=None):
+    """The decay factors from the gates g [C, K], or from their prefix sums (cumulative: CumulativeGates)."""
+    if cumulative is None:
+        gam = cumsum_rows(g)
+        anchors = [row(gam, ROWS * i)[None, :] for i in range(gam.shape[0] // ROWS)]
+    else:
+        gam, anchors = cumulative.gam, cumulative.anchors
     size = gam.shape[0]
     row_block = _iota((size, 1), 0) // ROWS
-    anchors = [row(gam, ROWS * i)[None, :] for i in range(size // ROWS)]
     anchor = sum(jnp.where(row_block == i, a, 0.0) for i, a in enumerate(anchors))
     return Decay(gam, anchors, row_block, jnp.exp(gam - anchor))
 
@@ -183,8 +199,8 @@ class Gates(NamedTuple):
 
 
 def chunk_gates(x: ChunkIn) -> Gates:
-    dec = decay(x.g)
-    g_last = row(dec.gam, dec.gam.shape[0] - 1)[None, :]
+    dec = decay(x.g, x.cumulative)
+    g_last = row(dec.gam, dec.gam.shape[0] - 1)[None, :] if x.cumulative is None else x.cumulative.last
     kd_scale = jnp.where(x.in_last, jnp.exp(g_last - dec.gam), 0.0)
     carried = jnp.where(x.doc_last == x.doc_in, jnp.exp(g_last), 0.0)
     return Gates(dec, k_base(x, dec.gam), kd_scale, carried)

@@ -18,8 +18,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.kda import pallas_blocks as blk
-from pallas_kernels.kda.pallas_chunk import (ChunkIn, chunk_core, chunk_forward, chunk_gates, key_outputs, mask_scores,
-                                            partial_scores, q_base, unit_lower_inverse, value_outputs)
+from pallas_kernels.kda.pallas_chunk import (ChunkIn, CumulativeGates, chunk_core, chunk_forward, chunk_gates,
+                                            key_outputs, mask_scores, partial_scores, q_base, unit_lower_inverse,
+                                            value_outputs)
 
 _F32 = jnp.float32
 
@@ -127,6 +128,12 @@ class Tuning:
     # 2.098 ms), forward+backward 1-3%; verify_kda passes every bar with it (errors within 1e-4 of TF32's in the
     # interpret-mode run, benchmarks/results/kda_verify_cpu/interpret_solve_bf16.txt).
     solve_operands: str = "bf16"
+    # The split forward's scores kernel reads the gates' prefix sums within each chunk from a small kernel of their
+    # own (chunk_cumsum: one more pass over g, read and written in fp32), so that per key tile it loads the four
+    # anchor rows and the last row instead of forming the prefix sum and extracting them by reductions across the
+    # tile (2 scans and 14 reductions in its sm_90a compile). Leaving that work out of the bounded scores kernel
+    # took 0.39 ms off the forward at 4 x 8192 on an H100 (benchmarks/results/kda_v15_h100/, no_gate_sums).
+    cumulative_gates: bool = False
     # Warps of the forward's per-chunk score kernel for the unbounded gate (intra_warps: the bounded one's). Its exact
     # diagonal blocks (pallas_blocks.pairwise_levels, a second pass over the key tiles) compile without spills at 8
     # (4: 768 B) and run 6% faster there (H100).
@@ -288,12 +295,20 @@ def _chunk_rows(beta_ref, doc_ref, prev_ref):
     return beta_ref[...].astype(_F32)[:, None], doc, blk.element(prev_ref[...], 0), blk.element(doc, doc.shape[0] - 1)
 
 
-def _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, cols, *, scale, rows=None):
-    """A ChunkIn of the key channels `cols` of a chunk's input tiles (no v); rows: _chunk_rows, if already loaded."""
+def _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, cols, *, scale, rows=None, cumulative=False):
+    """A ChunkIn of the key channels `cols` of a chunk's input tiles (no v); rows: _chunk_rows, if already loaded;
+    cumulative: g_ref holds the gates' prefix sums within the chunk (chunk_cumsum), whose anchor rows and last row
+    are loaded as such (ChunkIn.cumulative)."""
     beta, doc, doc_in, doc_last = rows or _chunk_rows(beta_ref, doc_ref, prev_ref)
     load = lambda ref: ref[:, cols].astype(_F32)  # noqa: E731
-    return ChunkIn(q=load(q_ref) * scale, k=load(k_ref), v=None, g=load(g_ref), beta=beta, doc=doc, doc_in=doc_in,
-                   doc_last=doc_last)
+    g, gates = load(g_ref), None
+    if cumulative:
+        size = g_ref.shape[0]
+        load_row = lambda r: g_ref[pl.ds(r, 1), cols].astype(_F32)  # noqa: E731
+        g, gates = None, CumulativeGates(g, [load_row(blk.ROWS * i) for i in range(size // blk.ROWS)],
+                                         load_row(size - 1))
+    return ChunkIn(q=load(q_ref) * scale, k=load(k_ref), v=None, g=g, beta=beta, doc=doc, doc_in=doc_in,
+                   doc_last=doc_last, cumulative=gates)
 
 
 def _write_gated(x, gates, cols, qg_ref, kb_ref, kd_ref, d_ref):
@@ -307,15 +322,17 @@ def _write_gated(x, gates, cols, qg_ref, kb_ref, kd_ref, d_ref):
 
 
 def _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, dense, tile, gated_refs=None,
-                   fused=False, diagonal_refs=None):
+                   fused=False, diagonal_refs=None, cumulative=False):
     """Aqk, Akk (masked) [C, C] of a chunk, summing the scores over key tiles; with gated_refs (the qg, kb, kd, d
     refs), also the gated inputs of each key tile (_write_gated); fused: pallas_chunk.partial_scores(fused=True).
     Unbounded: the exact diagonal blocks in a second pass over the key tiles (pallas_blocks.pairwise_levels), so that
-    nothing of the first is live beside them, or read from diagonal_refs (diagonal_scores' Aqk and Akk blocks)."""
+    nothing of the first is live beside them, or read from diagonal_refs (diagonal_scores' Aqk and Akk blocks).
+    cumulative: g_ref holds the gates' prefix sums (_tile_input)."""
     size, key_dim = q_ref.shape
     rows = _chunk_rows(beta_ref, doc_ref, prev_ref)
     tile_input = lambda j, rows=None: _tile_input(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref,  # noqa: E731
-                                                  pl.ds(j * tile, tile), scale=scale, rows=rows)
+                                                  pl.ds(j * tile, tile), scale=scale, rows=rows,
+                                                  cumulative=cumulative)
 
     def add_scores(j, acc):
         x = tile_input(j, rows)
@@ -327,7 +344,8 @@ def _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *, scale, d
 
     def add_diagonal(j, acc):
         x = tile_input(j)
-        diag_qk, diag_kk = blk.pairwise_levels((x.q, x.k), x.k, blk.cumsum_rows(x.g))
+        gam = blk.cumsum_rows(x.g) if x.cumulative is None else x.cumulative.gam
+        diag_qk, diag_kk = blk.pairwise_levels((x.q, x.k), x.k, gam)
         return acc[0] + diag_qk, acc[1] + diag_kk
 
     zeros = jnp.zeros((size, size), _F32)
@@ -412,16 +430,16 @@ def _tiled_lean_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, 
 
 @with_precision
 def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *refs, scale, dense, tile, squares, gated,
-                  fused, diagonal, solve_bf16=False):
+                  fused, diagonal, solve_bf16=False, cumulative=False):
     """Split forward, part 1 (grid chunks x value heads): the chunk's scores and the solve. refs: with `diagonal`
     first the diagonal blocks of Aqk and Akk (diagonal_scores); then the outputs: Aqk, Akk, T (squares = 3; Akk is
     kept for the backward only) or Aqk, T (squares = 2), then with `gated` the qg, kb, kd, d refs of the gated
     inputs. fused (Tuning.fused_scores): each score one product per key tile, and the scores stored before the solve,
-    so that their registers are free during it."""
+    so that their registers are free during it. cumulative: g_ref holds the gates' prefix sums (chunk_cumsum)."""
     diagonal_refs, out_refs = (refs[:2], refs[2:]) if diagonal else (None, refs)
     aqk, akk = _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense, tile=tile,
                               gated_refs=out_refs[squares:] if gated else None, fused=fused,
-                              diagonal_refs=diagonal_refs)
+                              diagonal_refs=diagonal_refs, cumulative=cumulative)
     t_ref = out_refs[squares - 1]
 
     def store_scores():
@@ -506,6 +524,20 @@ def output_tile(tuning, key_dim, value_dim):
         raise ValueError(f"Tuning.output_tile must divide the key and value dimensions ({key_dim}, {value_dim}), "
                          f"got {tile}")
     return tile
+
+
+def _cumsum_kernel(g_ref, gam_ref):
+    gam_ref[...] = blk.cumsum_rows(g_ref[...].astype(_F32))
+
+
+def chunk_cumsum(g, *, interpret, warps=4):
+    """The gates' inclusive prefix sums within each chunk (Tuning.cumulative_gates): g [BN, C, HV, K] -> fp32, same
+    layout, one [C, K] tile per program."""
+    chunks, chunk, value_heads, key_dim = g.shape
+    spec = pl.BlockSpec((None, chunk, None, key_dim), lambda n, h: (n, 0, h, 0))
+    return pl.pallas_call(_cumsum_kernel, grid=(chunks, value_heads), in_specs=[spec], out_specs=spec,
+                          out_shape=jax.ShapeDtypeStruct(g.shape, _F32), compiler_params=compiler_params(warps),
+                          interpret=interpret, name="kda_gate_cumsum")(g)
 
 
 def diagonal_columns(q_ref, k_ref, g_ref, body, init, *, scale, strict):
@@ -615,7 +647,8 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     outs = pl.pallas_call(
         functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
                           fused=tuning.fused_scores, squares=squares, gated=gated, diagonal=diagonal,
-                          solve_bf16=tuning.solve_operands == "bf16" and q.dtype in (jnp.bfloat16, jnp.float16)),
+                          solve_bf16=tuning.solve_operands == "bf16" and q.dtype in (jnp.bfloat16, jnp.float16),
+                          cumulative=tuning.cumulative_gates),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]] + [
             chunk_tile(chunk, blk.ROWS)] * len(extra),
@@ -624,7 +657,7 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
         compiler_params=compiler_params(tuning.intra_warps if dense or diagonal else tuning.pairwise_warps),
         interpret=interpret,
         name="kda_scores_fwd",
-    )(q, k, g, beta, doc, doc_prev, *extra)
+    )(q, k, chunk_cumsum(g, interpret=interpret) if tuning.cumulative_gates else g, beta, doc, doc_prev, *extra)
     (aqk, t), akk = (outs[:2], None) if lean else (outs[0:3:2], outs[1])
     tile = output_tile(tuning, key_dim, value_dim)
     qk = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h // group, j))

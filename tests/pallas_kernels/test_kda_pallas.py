@@ -201,6 +201,31 @@ def test_bf16_operands_in_the_per_chunk_kernels_match_reference(monkeypatch, ope
     _compare(x, g_min, 64, _segments(1, 200), tol=tol)
 
 
+@pytest.mark.parametrize("gate", ["bounded", pytest.param("unbounded", marks=pytest.mark.slow)])
+def test_cumulative_gates_meet_the_bf16_bars(monkeypatch, gate):
+    # Tuning.cumulative_gates: the scores kernel reads the gates' prefix sums (pallas_fwd.chunk_cumsum) and loads its
+    # anchor and last rows; both passes within the bf16 bars, with documents inside chunks and an initial state.
+    from pallas_kernels.kda import pallas_fwd
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    _interpret_with(monkeypatch, Tuning(cumulative_gates=True))
+    calls = []
+    cumsum = pallas_fwd.chunk_cumsum
+    monkeypatch.setattr(pallas_fwd, "chunk_cumsum", lambda g, **kw: calls.append(g.shape) or cumsum(g, **kw))
+    g_min = -5.0 if gate == "bounded" else None
+    x = random_inputs(3, batch=1, seq_len=200, heads=1, value_heads=2, key_dim=32, value_dim=32,
+                      gate="bounded" if g_min else "softplus", g_min=g_min, dtype=jnp.bfloat16)
+    tol = dict(o=5e-3, state=5e-3, dq=8e-3, dk=8e-3, dv=8e-3, dstate0=8e-3, dg=2e-2, dbeta=2e-2)
+    _compare(x, g_min, 64, _segments(1, 200), tol=tol)
+    assert calls
+
+
+def test_chunk_cumsum_is_the_prefix_sum_within_each_chunk():
+    from pallas_kernels.kda.pallas_fwd import chunk_cumsum
+    g = -jax.random.uniform(jax.random.key(0), (6, 64, 3, 32), jnp.float32, 0.0, 5.0)
+    np.testing.assert_allclose(chunk_cumsum(g, interpret=True), np.cumsum(np.asarray(g), axis=1), rtol=1e-6,
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("operands", ["bf16", pytest.param("tf32", marks=pytest.mark.slow)])
 def test_solve_operands_meet_the_bf16_bars(monkeypatch, operands):
     # Tuning.solve_operands: the split forward's solve on bf16 operands (the default) or TF32, for bf16 inputs; both
