@@ -13,7 +13,7 @@ from pallas_kernels.kda import mosaic_scan
 from pallas_kernels.kda import pallas_blocks as blk
 from pallas_kernels.kda.pallas_blocks import ROWS, cumsum_rows, mm, mm_tn, score_products
 from pallas_kernels.kda.pallas_chunk import backward_inputs, backward_scores, chunk_gates, k_base, mask_scores
-from pallas_kernels.kda.pallas_fwd import (chunk_tile, compiler_params, diagonal_call, diagonal_columns,
+from pallas_kernels.kda.pallas_fwd import (chunk_cumsum, chunk_tile, compiler_params, diagonal_call, diagonal_columns,
                                            input_bwd_rows, input_specs, intra_precision, operand_cast, ref_chunk,
                                            scan_load, scan_params, score_dtype, with_precision)
 from pallas_kernels.kda.pallas_scan import saved_state_dtype, sequence_specs
@@ -156,7 +156,7 @@ def _input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_re
 
 @with_precision
 def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, daqk_ref, dakk_ref, dkb_ref,
-                                 dqp_ref, dkd_ref, dd_ref, *refs, scale, dense, diagonal=False):
+                                 dqp_ref, dkd_ref, dd_ref, *refs, scale, dense, diagonal=False, cumulative=False):
     """backward_inputs one 16-row block at a time, last block first, writing each block's rows of dq, dk, dg.
 
     Row side of block b (its queries and keys against earlier columns): [R, C] score-gradient rows times the [C, Kt]
@@ -166,14 +166,16 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
     the masked [C, C] x [C, Kt] ones of the whole-tile kernel, and only [R, Kt] results are live. The suffix sums of
     dg cross blocks through a [1, Kt] carry. Unbounded: the diagonal block by nested pair groups
     (pallas_blocks.pairwise_levels_grads), as in the whole-tile kernel, or with `diagonal` read from refs (first in
-    refs: diagonal_grads' dx_q, dx_k, dy; then dq, dk, dg).
+    refs: diagonal_grads' dx_q, dx_k, dy; then dq, dk, dg). cumulative (Tuning.cumulative_gates): g_ref holds the
+    gates' prefix sums (pallas_fwd.chunk_cumsum), and the rows this kernel needs of them are loads, not reductions.
     """
     diagonal_refs, (dq_ref, dk_ref, dg_ref) = (refs[:3], refs[3:]) if diagonal else (None, refs)
     size, key_tile = q_ref.shape
     x = ref_chunk(q_ref, k_ref, None, g_ref, beta_ref, doc_ref, prev_ref, scale=scale)
-    gam = cumsum_rows(x.g)
+    gam = x.g if cumulative else cumsum_rows(x.g)
+    gam_row = lambda r: g_ref[pl.ds(r, 1), :].astype(_F32) if cumulative else blk.row(gam, r)[None, :]  # noqa: E731
     rows_c = lax.broadcasted_iota(jnp.int32, (size, 1), 0)
-    g_last = blk.row(gam, size - 1)[None, :]
+    g_last = gam_row(size - 1)
     carried = jnp.where(x.doc_last == x.doc_in, jnp.exp(g_last), 0.0)
     dd = dd_ref[...][None, :]
     kd_term = x.k * jnp.where(x.in_last, jnp.exp(g_last - gam), 0.0) * dkd_ref[...]
@@ -182,10 +184,15 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
     for b in reversed(range(size // ROWS)):
         start, end = b * ROWS, (b + 1) * ROWS
         rows = pl.ds(start, ROWS)
-        g_b = load(g_ref, rows)
-        local = cumsum_rows(g_b) - blk.row(g_b, 0)[None, :]  # gam - a on the block's rows, <= 0
-        a = blk.row(gam, start)[None, :]
-        gam_b = a + local
+        a = gam_row(start)
+        if cumulative:
+            gam_b = load(g_ref, rows)
+            local = block_gam = gam_b - a  # gam - a on the block's rows, <= 0
+        else:
+            g_b = load(g_ref, rows)
+            block_gam = cumsum_rows(g_b)
+            local = block_gam - blk.row(g_b, 0)[None, :]
+            gam_b = a + local
         # row side
         on_diag = (lax.broadcasted_iota(jnp.int32, (ROWS, size), 1)
                    == lax.broadcasted_iota(jnp.int32, (ROWS, size), 0) + start)
@@ -204,7 +211,7 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
         # column side
         first = start if dense else end
         if first < size:
-            e = blk.row(gam, end - 1)[None, :]
+            e = gam_row(end - 1)
             later = jnp.exp(jnp.where(rows_c >= first, gam - e, -jnp.inf))
             on_diag_t = (lax.broadcasted_iota(jnp.int32, (size, ROWS), 0)
                          == lax.broadcasted_iota(jnp.int32, (size, ROWS), 1) + start)
@@ -222,7 +229,7 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
             eye = lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 0) == lax.broadcasted_iota(jnp.int32, (ROWS, ROWS), 1)
             daqk_bb = jnp.where(eye, 0.0, load(daqk_ref, rows, rows))
             dscores = (daqk_bb, load(dakk_ref, rows, rows))
-            (dq_p, dk_p), dy_p = blk.pairwise_levels_grads(dscores, (q_b, k_b), k_b, cumsum_rows(g_b))
+            (dq_p, dk_p), dy_p = blk.pairwise_levels_grads(dscores, (q_b, k_b), k_b, block_gam)
             dxq, dxk, dyk = dxq + dq_p, dxk + dk_p, dyk + dy_p
         doc_b = doc_ref[rows]
         beta_b = beta_ref[rows].astype(_F32)[:, None]
@@ -244,9 +251,11 @@ def _row_block_input_grad_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_re
 
 @with_precision
 def _tiled_score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, aqk_ref, akk_ref, t_ref, w_ref, u_ref,
-                             do_ref, du_ref, dqp_ref, dw_ref, daqk_ref, dakk_ref, dkb_ref, dv_ref, dbeta_ref, *, tile):
+                             do_ref, du_ref, dqp_ref, dw_ref, daqk_ref, dakk_ref, dkb_ref, dv_ref, dbeta_ref, *, tile,
+                             cumulative=False):
     """backward_scores `tile` channels at a time: value tiles (dv, and their share of dAqk, dL, dbeta), then key
-    tiles (d(kb) and theirs). Only the [C, C] scores and gradients and [C, tile] tiles are live."""
+    tiles (d(kb) and theirs). Only the [C, C] scores and gradients and [C, tile] tiles are live. cumulative: g_ref
+    holds the gates' prefix sums (Tuning.cumulative_gates)."""
     size, key_dim = k_ref.shape
     value_dim = v_ref.shape[1]
     doc = doc_ref[...]
@@ -267,7 +276,8 @@ def _tiled_score_grad_kernel(k_ref, v_ref, g_ref, beta_ref, doc_ref, prev_ref, a
         daqk, dl, dbeta = acc
         cols = pl.ds(j * tile, tile)
         w, dqp = load(w_ref, cols), load(dqp_ref, cols)
-        k_base = jnp.where(reads, load(k_ref, cols) * jnp.exp(jnp.cumsum(load(g_ref, cols), axis=0)), 0.0)
+        gam = load(g_ref, cols) if cumulative else jnp.cumsum(load(g_ref, cols), axis=0)
+        k_base = jnp.where(reads, load(k_ref, cols) * jnp.exp(gam), 0.0)
         dkb = blk.mm_tn(t, load(dw_ref, cols) - blk.mm_tn(aqk, dqp))
         dkb_ref[:, cols] = dkb
         return daqk - blk.mm_nt(dqp, w), dl - blk.mm_nt(dkb, w), dbeta + jnp.sum(dkb * k_base, axis=1)
@@ -328,19 +338,22 @@ def intra_grads(q, k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, dkd
     gradients (stored [BN, HV, C, C]), the second through the decayed scores to q, k and g.
     """
     kw = dict(tuning=tuning, interpret=interpret, precision=precision)
+    # Tuning.cumulative_gates: both kernels read the gates' prefix sums, formed once here
+    gam = chunk_cumsum(g, interpret=interpret) if tuning.cumulative_gates else None
     daqk, dakk, dkb, dv, dbeta = score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw,
-                                             dv_dtype=v.dtype, **kw)
+                                             dv_dtype=v.dtype, gam=gam, **kw)
     grouped = v.shape[2] != q.shape[2]
     dq, dk, dg = input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, scale=scale, dense=dense,
-                             out_dtype=_F32 if grouped else q.dtype, **kw)
+                             out_dtype=_F32 if grouped else q.dtype, gam=gam, **kw)
     return dq, dk, dv, dg, dbeta
 
 
 def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tuning, interpret, precision,
-                dv_dtype=_F32):
+                dv_dtype=_F32, gam=None):
     """Back through ol = Aqk u, qp = qd - Aqk w and the solve: dAqk, dAkk [BN, HV, C, C] (bf16 when every per-chunk
     product rounds its operands to bf16, Tuning.backward_operands="bf16", else fp32), d(kb) [BN, HV, C, K], dv
-    [BN, C, HV, V] (in dv_dtype) and the direct part of dbeta [BN, C, HV]."""
+    [BN, C, HV, V] (in dv_dtype) and the direct part of dbeta [BN, C, HV]. gam: the gates' prefix sums within each
+    chunk (pallas_fwd.chunk_cumsum), read in place of g by the channel-tiled kernel if given."""
     chunks, chunk, heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2:]
     per_head = lambda d: pl.BlockSpec((None, chunk, None, d), lambda n, h: (n, 0, h, 0))  # noqa: E731
@@ -351,7 +364,9 @@ def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tun
     tile = tuning.intra_tile
     precision = intra_precision(tuning, precision, k.dtype, backward=True)
     if tile and key_dim % tile == 0 and value_dim % tile == 0:
-        score_kernel = functools.partial(_tiled_score_grad_kernel, precision=precision, tile=tile)
+        score_kernel = functools.partial(_tiled_score_grad_kernel, precision=precision, tile=tile,
+                                         cumulative=gam is not None)
+        g = g if gam is None else gam
     else:
         score_kernel = functools.partial(_score_grad_kernel, precision=precision)
     daqk, dakk, dkb, dv, dbeta = pl.pallas_call(
@@ -371,8 +386,9 @@ def score_grads(k, v, g, beta, doc, doc_prev, saved, do, dv_new, dqp, dw, *, tun
 
 
 def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, scale, dense, tuning, interpret,
-                precision, out_dtype=_F32):
-    """Through the decayed scores and decay factors to dq, dk (in out_dtype) and dg (fp32) [BN, C, HV, K]."""
+                precision, out_dtype=_F32, gam=None):
+    """Through the decayed scores and decay factors to dq, dk (in out_dtype) and dg (fp32) [BN, C, HV, K]. gam: as
+    in score_grads, read by the row-block kernel if given."""
     chunks, chunk, heads, key_dim = q.shape
     value_heads = dkb.shape[1]
     shape = lambda d, dtype=_F32: jax.ShapeDtypeStruct((chunks, chunk, value_heads, d), dtype)  # noqa: E731
@@ -390,10 +406,12 @@ def input_grads(q, k, g, beta, doc, doc_prev, daqk, dakk, dkb, dqp, dkd, dd, *, 
     kernel, extra = functools.partial(_input_grad_kernel, dense=dense), ()
     if input_bwd_rows(tuning, dense, q.dtype):
         diagonal = not dense and tuning.diagonal_kernel and chunk % ROWS == 0
-        kernel = functools.partial(_row_block_input_grad_kernel, dense=dense, diagonal=diagonal)
+        kernel = functools.partial(_row_block_input_grad_kernel, dense=dense, diagonal=diagonal,
+                                   cumulative=gam is not None)
         if diagonal:
             extra = diagonal_grads(q, k, g, daqk, dakk, scale=scale, warps=tuning.diagonal_bwd_warps,
                                    interpret=interpret)
+        g = g if gam is None else gam
     dq, dk, dg = pl.pallas_call(
         functools.partial(kernel, scale=scale, precision=intra_precision(tuning, precision, q.dtype, backward=True)),
         grid=(chunks, value_heads, key_dim // kt),

@@ -132,7 +132,9 @@ class Tuning:
     # own (chunk_cumsum: one more pass over g, read and written in fp32), so that per key tile it loads the four
     # anchor rows and the last row instead of forming the prefix sum and extracting them by reductions across the
     # tile (2 scans and 14 reductions in its sm_90a compile). Leaving that work out of the bounded scores kernel
-    # took 0.39 ms off the forward at 4 x 8192 on an H100 (benchmarks/results/kda_v15_h100/, no_gate_sums).
+    # took 0.39 ms off the forward at 4 x 8192 on an H100 (benchmarks/results/kda_v15_h100/, no_gate_sums). The
+    # backward forms the prefix sums once more, for its channel-tiled score kernel and its row-block input kernel
+    # (pallas_bwd.intra_grads), whose block anchors and last rows become loads too.
     cumulative_gates: bool = False
     # Warps of the forward's per-chunk score kernel for the unbounded gate (intra_warps: the bounded one's). Its exact
     # diagonal blocks (pallas_blocks.pairwise_levels, a second pass over the key tiles) compile without spills at 8
