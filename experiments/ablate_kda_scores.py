@@ -10,7 +10,7 @@ written); no_products (the decayed-score products replaced by zeros: what remain
 masks and the solve); no_gate_sums (no prefix sum of the gates and no anchor or last-row extraction: the
 cumulative gates are the gates themselves and every anchor is 0); no_exp (every decay factor of the per-chunk
 algebra a compare and select instead of an exponential); any `t:FIELD=VALUE,...` (a Tuning, as bench_kda's
---tunings, e.g. t:solve_operands=bf16). Leaving a stage out makes the outputs wrong by design: each row also prints
+--tunings, e.g. t:cumulative_gates=1). Leaving a stage out makes the outputs wrong by design: each row also prints
 its forward's error against the reference (o and the final state at bench_kda's --verify_len) so that a variant
 that is right (a tuning) can be judged on both.
 """
@@ -26,8 +26,7 @@ from absl import app, flags
 from experiments import bench_kda, profile_kda  # noqa: F401 - profile_kda: the --shape flag (BxTxHxD)
 
 flags.DEFINE_list("ablations", ["base", "no_solve", "no_gated", "no_products", "no_gate_sums", "no_exp",
-                                "t:solve_operands=bf16",
-                                "t:intra_tile=16", "t:intra_warps=8"],
+                                "t:cumulative_gates=1", "t:solve_operands=tf32"],
                   "Variants to time, in order (see the module docstring).")
 flags.DEFINE_integer("timed_calls", 30, "Event-timed calls per variant (median reported).")
 FLAGS = flags.FLAGS
