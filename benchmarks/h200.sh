@@ -14,10 +14,12 @@ for step in "${steps[@]}"; do
       python3 -m experiments.bench_kda --fla_first --repeats=20 --out_dir="$OUT" ;;
     kda_ablate)  # where the bounded scores kernel's time goes, and the open forward candidates, by CUDA events
       python3 -m experiments.ablate_kda_scores --shape=4x8192x16x128 | tee "$OUT/kda_ablate_h200.txt" ;;
-    kda_cumulative)  # the open candidate Tuning.cumulative_gates against the defaults, both gates, then every bar
+    kda_cumulative)  # the open candidates (Tuning.cumulative_gates, fused_outputs) against the defaults, then every bar
       python3 -m experiments.bench_kda --repeats=20 --variants=pallas_bounded,pallas_unbounded \
-        --tunings="base;cumulative_gates=1" --out_dir="$OUT/kda_cumulative_gates" &&
-      python3 -m experiments.verify_kda --tuning=cumulative_gates=1 --out="$OUT/kda_verify_cumulative_gates_h200.txt" ;;
+        --tunings="base;cumulative_gates=1;cumulative_gates=1,fused_outputs=1" --tuned=pallas_bounded \
+        --out_dir="$OUT/kda_cumulative_gates" &&
+      python3 -m experiments.verify_kda --tuning=cumulative_gates=1,fused_outputs=1 \
+        --out="$OUT/kda_verify_cumulative_gates_h200.txt" ;;
     kda_model)  # whole-model losses, Pallas vs XLA KDA
       python3 -m experiments.compare_kda_backends --steps=20 --out="$OUT/kda_model_check_h200" ;;
     attn_res_kernel)  # the fused AttnRes mix against XLA on the GPU, then per-site timings

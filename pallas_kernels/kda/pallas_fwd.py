@@ -136,6 +136,12 @@ class Tuning:
     # backward forms the prefix sums once more, for its channel-tiled score kernel and its row-block input kernel
     # (pallas_bwd.intra_grads), whose block anchors and last rows become loads too.
     cumulative_gates: bool = False
+    # The inference forward with the gated inputs: w = T kb and u = T diag(beta) V formed in the scores kernel after
+    # the solve (_scores_outputs_kernel), kb from the gates' prefix sums (chunk_cumsum, as cumulative_gates) per key
+    # tile, instead of storing T (fp32) and kb and running the per-tile output kernel, which reads them back (T once
+    # per tile). Saves about 80 KB of memory traffic per chunk and head (0.65 GB at 4 x 8192) and a launch, at the
+    # cost of more work in the scores kernel. Not yet timed on a GPU.
+    fused_outputs: bool = False
     # Warps of the forward's per-chunk score kernel for the unbounded gate (intra_warps: the bounded one's). Its exact
     # diagonal blocks (pallas_blocks.pairwise_levels, a second pass over the key tiles) compile without spills at 8
     # (4: 768 B) and run 6% faster there (H100).
@@ -318,7 +324,8 @@ def _write_gated(x, gates, cols, qg_ref, kb_ref, kd_ref, d_ref):
     on the rows that read S0, kd = K e^(g_last - Gamma) on the last document's rows, d = e^g_last (0 if a document
     starts inside the chunk)."""
     qg_ref[:, cols] = q_base(x, gates.dec.gam).astype(qg_ref.dtype)
-    kb_ref[:, cols] = (x.beta * gates.k_base).astype(kb_ref.dtype)
+    if kb_ref is not None:  # None: w is formed in the same kernel (Tuning.fused_outputs)
+        kb_ref[:, cols] = (x.beta * gates.k_base).astype(kb_ref.dtype)
     kd_ref[:, cols] = (x.k * gates.kd_scale).astype(kd_ref.dtype)
     d_ref[cols] = gates.carried[0]
 
@@ -454,6 +461,38 @@ def _score_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, *refs, scale
     if not fused:
         store_scores()
     t_ref[...] = t.astype(t_ref.dtype)
+
+
+@with_precision
+def _scores_outputs_kernel(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, v_ref, *refs, scale, dense, tile, fused,
+                           diagonal, solve_bf16=False):
+    """The inference forward's scores kernel with its outputs (Tuning.fused_outputs): _score_kernel's Aqk, qg, kd and
+    d, then, while T is in registers, w = T diag(beta) K e^Gamma per key tile and u = T diag(beta) V per value tile,
+    instead of storing T and kb for _gated_lean_outputs_kernel. g_ref holds the gates' prefix sums (chunk_cumsum), so
+    that kb is a load and an exponential per tile. refs: with `diagonal` first diagonal_scores' Aqk and Akk blocks;
+    then the outputs Aqk, qg, kd, d, w, u."""
+    diagonal_refs, out_refs = (refs[:2], refs[2:]) if diagonal else (None, refs)
+    aqk_ref, qg_ref, kd_ref, d_ref, w_ref, u_ref = out_refs
+    aqk, akk = _masked_scores(q_ref, k_ref, g_ref, beta_ref, doc_ref, prev_ref, scale=scale, dense=dense, tile=tile,
+                              gated_refs=(qg_ref, None, kd_ref, d_ref), fused=fused, diagonal_refs=diagonal_refs,
+                              cumulative=True)
+    aqk_ref[...] = aqk.astype(aqk_ref.dtype)
+    t = _solve(beta_ref, akk, solve_bf16)
+    beta, doc, doc_in, _ = _chunk_rows(beta_ref, doc_ref, prev_ref)
+    reads = (doc == doc_in)[:, None]
+
+    def write_w(j, carry):
+        cols = pl.ds(j * tile, tile)
+        kb = jnp.where(reads, beta * k_ref[:, cols].astype(_F32) * jnp.exp(g_ref[:, cols].astype(_F32)), 0.0)
+        w_ref[:, cols] = blk.mm(t, kb).astype(w_ref.dtype)
+        return carry
+
+    def write_u(j, carry):
+        _write_value_tile(v_ref, beta_ref, pl.ds(j * tile, tile), None, t, u_ref, None)
+        return carry
+
+    lax.fori_loop(0, k_ref.shape[1] // tile, write_w, 0)
+    lax.fori_loop(0, v_ref.shape[1] // tile, write_u, 0)
 
 
 @with_precision
@@ -638,6 +677,9 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
     square = jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), score_dtype(precision))
     lean = lean and key_dim == value_dim
     gated = key_dim == value_dim and tuning.gated_inputs in (("bounded", "both") if dense else ("both",))
+    if lean and gated and tuning.fused_outputs:
+        return _fused_lean_forward(q, k, v, g, beta, doc, doc_prev, scale=scale, dense=dense, tuning=tuning,
+                                   interpret=interpret, precision=precision, store_dtype=store_dtype)
     squares = 2 if lean else 3  # Aqk, (Akk,) T
     out_specs, out_shape = [chunk_tile(chunk, chunk)] * squares, [square] * squares
     diagonal = not dense and tuning.diagonal_kernel and chunk % blk.ROWS == 0
@@ -661,6 +703,45 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
         name="kda_scores_fwd",
     )(q, k, chunk_cumsum(g, interpret=interpret) if tuning.cumulative_gates else g, beta, doc, doc_prev, *extra)
     (aqk, t), akk = (outs[:2], None) if lean else (outs[0:3:2], outs[1])
+    return _split_outputs(q, k, v, g, beta, doc, doc_prev, outs, aqk, akk, t, scale=scale, tuning=tuning,
+                          interpret=interpret, precision=precision, store_dtype=store_dtype, save_scores=save_scores,
+                          lean=lean, gated=gated, squares=squares)
+
+
+def _fused_lean_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype):
+    """The split inference forward with its outputs in the scores kernel (Tuning.fused_outputs): one kernel after
+    the gates' prefix sums, writing w, kd, u, d, Aqk and qg."""
+    chunks, chunk, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2:]
+    specs = input_specs(chunk, key_dim, value_dim, value_heads // heads)
+    diagonal = not dense and tuning.diagonal_kernel and chunk % blk.ROWS == 0
+    extra = diagonal_scores(q, k, g, scale=scale, warps=tuning.diagonal_warps, interpret=interpret) if diagonal else ()
+    tiles = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), store_dtype)  # noqa: E731
+    aqk, qg, kd, d, w, u = pl.pallas_call(
+        functools.partial(_scores_outputs_kernel, scale=scale, dense=dense, precision=precision,
+                          tile=tuning.intra_tile, fused=tuning.fused_scores, diagonal=diagonal,
+                          solve_bf16=tuning.solve_operands == "bf16" and q.dtype in (jnp.bfloat16, jnp.float16)),
+        grid=(chunks, value_heads),
+        in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6], specs[2]] + [
+            chunk_tile(chunk, blk.ROWS)] * len(extra),
+        out_specs=[chunk_tile(chunk, chunk)] + [chunk_tile(chunk, key_dim)] * 2 + [chunk_vector(key_dim)] + [
+            chunk_tile(chunk, key_dim), chunk_tile(chunk, value_dim)],
+        out_shape=[jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), score_dtype(precision))] + [
+            tiles(key_dim)] * 2 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32), tiles(key_dim),
+                                   tiles(value_dim)],
+        compiler_params=compiler_params(tuning.intra_warps if dense or diagonal else tuning.pairwise_warps),
+        interpret=interpret,
+        name="kda_scores_outputs_fwd",
+    )(q, k, chunk_cumsum(g, interpret=interpret), beta, doc, doc_prev, v, *extra)
+    return w, None, kd, u, None, d, aqk, qg
+
+
+def _split_outputs(q, k, v, g, beta, doc, doc_prev, outs, aqk, akk, t, *, scale, tuning, interpret, precision,
+                   store_dtype, save_scores, lean, gated, squares):
+    """The split forward's per-(chunk, channel tile) output kernels, after the scores kernel (outs)."""
+    chunks, chunk, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2:]
+    group = value_heads // heads
     tile = output_tile(tuning, key_dim, value_dim)
     qk = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h // group, j))
     per_head = pl.BlockSpec((None, chunk, None, tile), lambda n, h, j: (n, 0, h, j))

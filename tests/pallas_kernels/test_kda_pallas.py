@@ -737,6 +737,16 @@ def _mosaic_inference_forward(monkeypatch, tuning, seed, value_dim, recorded):
     return x, ids, ran, traced
 
 
+def test_fused_outputs_in_the_inference_forward(monkeypatch):
+    # Tuning.fused_outputs: the inference forward's w and u from the scores kernel (no T, kb or output kernel), o and
+    # the final state within the bf16 bar (inside _mosaic_inference_forward); the fused path must be the one that ran.
+    from pallas_kernels.kda import pallas_fwd
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    fused = _record_calls(monkeypatch, [(pallas_fwd, "_fused_lean_forward"), (pallas_fwd, "_split_outputs")])
+    _mosaic_inference_forward(monkeypatch, Tuning(fused_outputs=True), 4, 64, ())
+    assert fused == ["_fused_lean_forward"]
+
+
 def test_mosaic_state_scan_in_the_whole_forward(monkeypatch):
     # chunk_kda with Tuning(mosaic_scan=True) against the reference: the inference forward (o, state) and the training
     # forward with its gradients (both scans in Mosaic GPU).
