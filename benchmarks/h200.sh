@@ -14,12 +14,13 @@ for step in "${steps[@]}"; do
       python3 -m experiments.bench_kda --fla_first --repeats=20 --out_dir="$OUT" ;;
     kda_ablate)  # where the bounded scores kernel's time goes, and the open forward candidates, by CUDA events
       python3 -m experiments.ablate_kda_scores --shape=4x8192x16x128 | tee "$OUT/kda_ablate_h200.txt" ;;
-    kda_cumulative)  # the open candidates (Tuning.cumulative_gates, fused_outputs) against the defaults, then every bar
-      python3 -m experiments.bench_kda --repeats=20 --variants=pallas_bounded,pallas_unbounded \
-        --tunings="base;cumulative_gates=1;cumulative_gates=1,fused_outputs=1" --tuned=pallas_bounded \
-        --out_dir="$OUT/kda_cumulative_gates" &&
-      python3 -m experiments.verify_kda --tuning=cumulative_gates=1,fused_outputs=1 \
-        --out="$OUT/kda_verify_cumulative_gates_h200.txt" ;;
+    kda_candidates)  # the open candidates (Tuning.cumulative_gates, fused_outputs, scan_lookahead) against the
+      # defaults, each added to the one before, then every bar with all three
+      python3 -m experiments.bench_kda --repeats=20 --variants=pallas_bounded,pallas_unbounded --tuned=pallas_bounded \
+        --tunings="base;cumulative_gates=1;cumulative_gates=1,fused_outputs=1;cumulative_gates=1,fused_outputs=1,scan_lookahead=1" \
+        --out_dir="$OUT/kda_candidates" &&
+      python3 -m experiments.verify_kda --tuning=cumulative_gates=1,fused_outputs=1,scan_lookahead=1 \
+        --out="$OUT/kda_verify_candidates_h200.txt" ;;
     kda_model)  # whole-model losses, Pallas vs XLA KDA
       python3 -m experiments.compare_kda_backends --steps=20 --out="$OUT/kda_model_check_h200" ;;
     attn_res_kernel)  # the fused AttnRes mix against XLA on the GPU, then per-site timings
@@ -36,6 +37,6 @@ for step in "${steps[@]}"; do
         --out="$OUT/memory_h200" ;;
     long_context)  # small_h200.gin forward+backward at 8K, 64K, 256K, 1M
       python3 -m experiments.bench_long_context --out="$OUT/long_context_h200" ;;
-    *) echo "unknown step $step (kda, kda_ablate, kda_cumulative, kda_model, attn_res_kernel, attn_res, attention, memory, long_context)"; exit 2 ;;
+    *) echo "unknown step $step (kda, kda_ablate, kda_candidates, kda_model, attn_res_kernel, attn_res, attention, memory, long_context)"; exit 2 ;;
   esac
 done

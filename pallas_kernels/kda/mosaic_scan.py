@@ -159,6 +159,107 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
         return kernel(w, kd, u, d, initial_state)
 
 
+def lookahead_operands(w, kd, d, batch):
+    """The per-chunk operands of states_scan_lookahead: A_n = w_n diag(d_(n-1)) [BN, HV, C, K] and
+    B_n = w_n kd_(n-1)^T [BN, HV, C, C], in w's dtype (fp32 products), with d_(-1) = 1 and kd_(-1) = 0 at each
+    sequence's first chunk."""
+    chunks, value_heads, chunk, key_dim = w.shape
+    split = lambda x: x.reshape(batch, chunks // batch, *x.shape[1:])  # noqa: E731
+    w5, kd5, d5 = split(w), split(kd), split(d)
+    d_prev = jnp.concatenate([jnp.ones_like(d5[:, :1]), d5[:, :-1]], axis=1)
+    kd_prev = jnp.concatenate([jnp.zeros_like(kd5[:, :1]), kd5[:, :-1]], axis=1)
+    a = (w5.astype(_F32) * d_prev[..., None, :]).astype(w.dtype)
+    b = jnp.einsum("bnhck,bnhjk->bnhcj", w5, kd_prev, preferred_element_type=_F32).astype(w.dtype)
+    return a.reshape(w.shape), b.reshape(chunks, value_heads, chunk, chunk)
+
+
+def states_scan_lookahead(w, kd, u, d, initial_state, *, tile=32, interpret=False):
+    """states_scan's contract (final state, every chunk's incoming state and v_new) with one warpgroup MMA latency
+    per chunk on the serial path instead of two (Tuning.scan_lookahead). states_scan forms S_n = D S_(n-1) +
+    kd^T v_(n-1) and then v_n = u_n - w_n S_n, one product waiting for the other. Substituting the first into the
+    second, v_n = u_n - A_n S_(n-1) - B_n v_(n-1) with A_n = w_n diag(d_(n-1)) and B_n = w_n kd_(n-1)^T
+    (lookahead_operands, parallel over chunks): both v_n and S_n then depend only on the previous step's S and v,
+    and their products are issued together. Step n reads A_n, B_n, u_n and kd_(n-1), d_(n-1); one extra step after
+    the last chunk forms the final state. The shared-memory S and v of the previous step are the MMAs' operands
+    (bf16, as states_scan rounds them; A_n and B_n are rounded to bf16 too)."""
+    chunks, value_heads, chunk, key_dim = w.shape
+    value_dim = u.shape[-1]
+    batch = initial_state.shape[0]
+    num_chunks = chunks // batch
+    dtype = u.dtype
+    _check("states_scan_lookahead", (w, kd, u), chunk, key_dim, value_dim, tile)
+    operand = _transforms(tile)
+    a, b_mat = lookahead_operands(w, kd, d, batch)
+
+    def body(a_g, b_g, kd_g, d_g, u_g, s0_g, s_out_g, states_g, v_new_g, s_smem, states_smem, v_new_smem, bar):
+        b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
+        rows, cols = pl.ds(b * num_chunks, num_chunks), pl.ds(t * tile, tile)
+        state = _load_state(s0_g.at[b, h, :, cols], s_smem, bar.at[0])
+        states_smem.at[1][...] = state.astype(dtype)  # S_(-1) = S0 (with d_(-1) = 1, kd_(-1) = 0, v_(-1) = 0)
+        v_new_smem.at[1][...] = plgpu.layout_cast(jnp.zeros((chunk, tile), dtype), plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+
+        def step(index, a_s, b_s, kd_s, d_s, u_s, state):
+            n = index[0]
+            slot = lax.rem(n, 2)
+            prev = 1 - slot
+            state_prev, v_prev = states_smem.at[prev], v_new_smem.at[prev]
+
+            def products(acc_v, acc_s):
+                plgpu.wgmma(acc_v, a_s, state_prev)
+                plgpu.wgmma(acc_v, b_s, v_prev)
+                plgpu.wgmma(acc_s, kd_s.T, v_prev)
+                return acc_v[...], acc_s[...]
+
+            carried, update = pl.run_scoped(products, plgpu.ACC((chunk, tile), _F32), plgpu.ACC((key_dim, tile), _F32))
+            decay = _load_decay(d_s, key_dim, tile)
+            decay = jnp.where(n == 0, jnp.ones_like(decay), decay)
+            v_new = plgpu.load(u_s, (), layout=plgpu.Layout.WGMMA).astype(_F32) - carried
+            state = decay * state + update  # S_n, the incoming state of chunk n (the final state at n = N)
+
+            @pl.when(n < num_chunks)
+            def _():
+                plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # this slot's stores of two chunks ago have read it
+                states_smem.at[slot][...] = state.astype(dtype)
+                v_new_smem.at[slot][...] = v_new.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(states_smem.at[slot], states_g.at[b * num_chunks + n, h, :, cols])
+                plgpu.copy_smem_to_gmem(v_new_smem.at[slot], v_new_g.at[b * num_chunks + n, h, :, cols])
+
+            return state
+
+        last = num_chunks - 1
+        this = lambda n: jnp.minimum(n, last)  # noqa: E731  (the extra step n = N reads chunk N - 1 again, unused)
+        before = lambda n: jnp.maximum(n - 1, 0)  # noqa: E731
+        pipeline = plgpu.emit_pipeline(
+            step, grid=(num_chunks + 1,),
+            in_specs=[plgpu.BlockSpec((None, chunk, key_dim), lambda n: (this(n), 0, 0), transforms=operand),
+                      plgpu.BlockSpec((None, chunk, chunk), lambda n: (this(n), 0, 0), transforms=operand),
+                      plgpu.BlockSpec((None, chunk, key_dim), lambda n: (before(n), 0, 0), transforms=operand),
+                      plgpu.BlockSpec((None, key_dim), lambda n: (before(n), 0)),
+                      plgpu.BlockSpec((None, chunk, tile), lambda n: (this(n), 0, 0), transforms=operand)],
+            max_concurrent_steps=2, init_carry=state)
+        state = pipeline(a_g.at[rows, h], b_g.at[rows, h], kd_g.at[rows, h], d_g.at[rows, h],
+                         u_g.at[rows, h, :, cols])
+        _store_state(state, s_smem, s_out_g.at[b, h, :, cols])
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct(initial_state.shape, _F32),
+                  jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), dtype),
+                  jax.ShapeDtypeStruct(u.shape, dtype)),
+        scratch_types=[plgpu.SMEM((key_dim, tile), _F32, transforms=_transforms(tile, 4)),
+                       plgpu.SMEM((2, key_dim, tile), dtype, transforms=operand),
+                       plgpu.SMEM((2, chunk, tile), dtype, transforms=operand),
+                       plgpu.Barrier(num_barriers=1)],
+        grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"),
+        kernel_name="kda_states_fwd_lookahead_mosaic",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )
+    with _interpreted(interpret):
+        return kernel(a, b_mat, kd, d, u, initial_state)
+
+
 def states_output_scan(w, kd, u, d, qg, aqk, initial_state, *, out_dtype, tile=32, interpret=False):
     """The inference forward's scan with o computed in it (Tuning.mosaic_output): per chunk, besides the recurrence of
     states_scan, o = qg S + Aqk v_new from the incoming state and v_new while they sit in shared memory, so that

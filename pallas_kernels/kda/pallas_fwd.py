@@ -142,6 +142,12 @@ class Tuning:
     # per tile). Saves about 80 KB of memory traffic per chunk and head (0.65 GB at 4 x 8192) and a launch, at the
     # cost of more work in the scores kernel. Not yet timed on a GPU.
     fused_outputs: bool = False
+    # The inference forward's Mosaic state scan (where o is not formed inside it, mosaic_output) with one warpgroup
+    # MMA latency per chunk on its serial path instead of two (mosaic_scan.states_scan_lookahead: v_n from the
+    # previous step's S and v_new through A_n = w_n diag(d_(n-1)) and B_n = w_n kd_(n-1)^T, formed in parallel over
+    # chunks beforehand). For the B = 1 shapes, whose scan has too few programs to fill the GPU and runs on its
+    # latency. Not yet timed on a GPU.
+    scan_lookahead: bool = False
     # Warps of the forward's per-chunk score kernel for the unbounded gate (intra_warps: the bounded one's). Its exact
     # diagonal blocks (pallas_blocks.pairwise_levels, a second pass over the key tiles) compile without spills at 8
     # (4: 768 B) and run 6% faster there (H100).

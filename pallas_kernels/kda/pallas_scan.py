@@ -152,8 +152,12 @@ def scores_output_scan(w, kd, u, d, aqk, q, g, doc, doc_prev, initial_state, *, 
     if qg is not None and fused and mosaic_scan.use(tuning, w, kd, qg, u, tile=tile):
         return mosaic_scan.states_output_scan(w, kd, u, d, qg, aqk, initial_state, out_dtype=out_dtype, tile=tile,
                                               interpret=interpret)
-    final, chunk_states, v_new = _states_scan(w, kd, u, d, initial_state, tuning=tuning, interpret=interpret,
-                                              precision=precision)
+    if tuning.scan_lookahead and mosaic_scan.use(tuning, w, kd, u, tile=tile):
+        final, chunk_states, v_new = mosaic_scan.states_scan_lookahead(w, kd, u, d, initial_state, tile=tile,
+                                                                       interpret=interpret)
+    else:
+        final, chunk_states, v_new = _states_scan(w, kd, u, d, initial_state, tuning=tuning, interpret=interpret,
+                                                  precision=precision)
     if qg is not None:
         tiles = [pl.BlockSpec((None, None, chunk, dim), lambda n, h: (n, h, 0, 0))
                  for dim in (key_dim, chunk, value_dim)]

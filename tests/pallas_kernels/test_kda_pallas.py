@@ -483,6 +483,27 @@ def test_inference_output_from_scores_matches_reference(monkeypatch, gate, g_min
     if dtype == jnp.float32:  # with a backward the training forward runs (qp kept for the reverse scan)
         _compare(x, g_min, 64, ids, tol=1e-5)
 
+def _lowered_for_cuda(tuning, grads, g_min):
+    """The StableHLO text of kda_pallas (the inference forward, or with grads the value and gradients of a loss) at
+    B = 1, T = 256, H = HV = 2, K = V = 64, bf16, lowered for CUDA against an abstract H100."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    def forward(q, k, v, g, beta, s0):
+        run = api._whole_chunks(functools.partial(kda_pallas, tuning=tuning))
+        return run(q, k, v, g, beta, s0, None, scale=0.2, chunk_size=64, diagonal=api.kda_diagonal_path(g_min, 64))
+
+    def loss(*args):
+        o, state = forward(*args)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
+
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)) if grads else forward
+    tokens = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    args = (tokens, tokens, tokens, jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32),
+            jax.ShapeDtypeStruct((1, 256, 2), jnp.bfloat16), jax.ShapeDtypeStruct((1, 2, 64, 64), jnp.float32))
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
 
 @pytest.mark.parametrize("tuning_text, grads, g_min", [("output_from_scores=1", False, -5.0),
                                                        ("output_from_scores=1,split_intra=0", False, -5.0),
@@ -501,25 +522,9 @@ def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     # Kernels through Pallas' Triton lowering for an abstract H100, no GPU: every pallas_call becomes a Triton custom
     # call (what fails here would fail on the GPU before compiling). The inference forwards, and the unbounded
     # gate's forward and backward.
-    from jax.sharding import AbstractDevice, AbstractMesh
     from pallas_kernels.kda.pallas_fwd import Tuning
     tuning = Tuning.from_string(tuning_text)
-
-    def forward(q, k, v, g, beta, s0):
-        run = api._whole_chunks(functools.partial(kda_pallas, tuning=tuning))
-        return run(q, k, v, g, beta, s0, None, scale=0.2, chunk_size=64, diagonal=api.kda_diagonal_path(g_min, 64))
-
-    def loss(*args):
-        o, state = forward(*args)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
-
-    fn = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)) if grads else forward
-    tokens = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
-    args = (tokens, tokens, tokens, jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32),
-            jax.ShapeDtypeStruct((1, 256, 2), jnp.bfloat16), jax.ShapeDtypeStruct((1, 2, 64, 64), jnp.float32))
-    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lowered_for_cuda(tuning, grads, g_min)
     lean = "kda_lean_intra_fwd" if "split_intra=0" in tuning_text else "kda_lean_outputs_fwd"
     programs = 1 * 2 * (64 // tuning.state_tile)  # B x HV x V / state_tile programs in the forward scan
     fused_output = tuning.mosaic_output and programs >= tuning.mosaic_output_programs and not grads  # o in the scan
@@ -538,6 +543,19 @@ def test_gpu_kernels_lower_for_cuda(tuning_text, grads, g_min):
     assert ("mosaic_gpu" in text) == tuning.mosaic_scan
     assert ("kda_diagonal_fwd" in text) == (tuning.diagonal_kernel and g_min is None)
     assert ("kda_diagonal_bwd" in text) == (tuning.diagonal_kernel and g_min is None and grads)
+
+
+@pytest.mark.parametrize("tuning_text, grads, names", [
+    ("cumulative_gates=1,fused_outputs=1,scan_lookahead=1", False,
+     ("kda_gate_cumsum", "kda_scores_outputs_fwd", "kda_states_fwd_lookahead_mosaic", "kda_scores_output_fwd")),
+    ("cumulative_gates=1", True, ("kda_gate_cumsum", "kda_scores_fwd", "kda_score_bwd", "kda_input_bwd"))])
+def test_open_candidates_lower_for_cuda(tuning_text, grads, names):
+    # The candidate tunings not yet timed on a GPU lower for CUDA: the gates' prefix sums, the scores kernel with
+    # its outputs, the lookahead scan (the inference forward), and the training pass with the prefix sums.
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    text = _lowered_for_cuda(Tuning.from_string(tuning_text), grads, -5.0)
+    assert all(name in text for name in names), [name for name in names if name not in text]
+    assert ("kda_lean_outputs_fwd" in text) == (not grads and "fused_outputs=1" not in tuning_text)
 
 
 def test_state_side_tile_must_divide_the_key_dimension():
@@ -747,6 +765,31 @@ def test_fused_outputs_in_the_inference_forward(monkeypatch):
     assert fused == ["_fused_lean_forward"]
 
 
+def test_lookahead_scan_matches_the_recurrence():
+    # mosaic_scan.states_scan_lookahead (Mosaic GPU's interpreter): v_n from the previous step's S and v_new through
+    # A_n and B_n. Its products round A_n and B_n to bf16 where states_scan rounds S_n, so it is compared with the
+    # unrounded fp32 recurrence, next to states_scan: about as close (two sequences, two value heads, two tiles).
+    from pallas_kernels.kda import mosaic_scan
+    (w, kd, _), u, _, d, s0 = _scan_operands(np.random.default_rng(1), 2, 3, 2, 64, 64, 64)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    exact = mosaic_scan.states_scan_reference(f32(w), f32(kd), f32(u), d, s0)
+    lookahead = mosaic_scan.states_scan_lookahead(w, kd, u, d, s0, tile=32, interpret=True)
+    plain = mosaic_scan.states_scan(w, kd, u, d, s0, tile=32, interpret=True)
+    for name, e, a, b in zip(("final", "states", "v_new"), exact, lookahead, plain):
+        err = relative_rms_error(np.asarray(e, np.float32), np.asarray(a, np.float32))
+        assert err < 1.1 * relative_rms_error(np.asarray(e, np.float32), np.asarray(b, np.float32)) + 1e-4, name
+        assert err < 4e-3, name
+
+
+def test_lookahead_scan_in_the_inference_forward(monkeypatch):
+    # Tuning.scan_lookahead: chunk_kda's inference forward with the lookahead scan (documents, an initial state, a
+    # padded length) within the bf16 bar of the reference; it must be the scan that ran.
+    from pallas_kernels.kda.pallas_fwd import Tuning
+    _, _, ran, _ = _mosaic_inference_forward(monkeypatch, Tuning(scan_lookahead=True), 6, 64,
+                                             ("states_scan_lookahead", "states_scan"))
+    assert ran == ["states_scan_lookahead"]
+
+
 def test_mosaic_state_scan_in_the_whole_forward(monkeypatch):
     # chunk_kda with Tuning(mosaic_scan=True) against the reference: the inference forward (o, state) and the training
     # forward with its gradients (both scans in Mosaic GPU).
@@ -794,6 +837,7 @@ def test_mosaic_scans_have_no_data_races():
     params = plgpu.InterpretGPUParams(detect_races=True)
     jax.block_until_ready(mosaic_scan.states_scan(w, kd, u, d, s0, interpret=params))
     jax.block_until_ready(mosaic_scan.state_grad_scan(w, qp, kd, d, do, s0, interpret=params))
+    jax.block_until_ready(mosaic_scan.states_scan_lookahead(w, kd, u, d, s0, interpret=params))
     aqk = jnp.tril(jnp.ones((4, 1, 64, 64), jnp.float32))
     jax.block_until_ready(mosaic_scan.states_output_scan(w, kd, u, d, qp, aqk, s0, out_dtype=jnp.bfloat16,
                                                          interpret=params))
