@@ -13,7 +13,8 @@ for step in "${steps[@]}"; do
     kda)  # all four shapes, every variant, flash-linear-attention timed in the same run (first: its autotuning)
       python3 -m experiments.bench_kda --fla_first --repeats=20 --out_dir="$OUT" ;;
     kda_ablate)  # where the bounded scores kernel's time goes, and the open forward candidates, by CUDA events
-      python3 -m experiments.ablate_kda_scores --shape=4x8192x16x128 | tee "$OUT/kda_ablate_h200.txt" ;;
+      (python3 -m experiments.ablate_kda_scores --shape=4x8192x16x128 &&
+       python3 -m experiments.ablate_kda_scores --shape=1x32768x16x128) | tee "$OUT/kda_ablate_h200.txt" ;;
     kda_candidates)  # the open candidates (Tuning.cumulative_gates, fused_outputs, scan_lookahead) against the
       # defaults, each added to the one before, then every bar with all three
       python3 -m experiments.bench_kda --repeats=20 --variants=pallas_bounded,pallas_unbounded --tuned=pallas_bounded \

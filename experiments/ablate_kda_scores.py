@@ -25,9 +25,11 @@ from absl import app, flags
 
 from experiments import bench_kda, profile_kda  # noqa: F401 - profile_kda: the --shape flag (BxTxHxD)
 
-flags.DEFINE_list("ablations", ["base", "no_solve", "no_gated", "no_products", "no_gate_sums", "no_exp",
-                                "t:cumulative_gates=1", "t:solve_operands=tf32"],
-                  "Variants to time, in order (see the module docstring).")
+flags.DEFINE_string("ablations", "base;no_solve;no_gated;no_products;no_gate_sums;no_exp;t:solve_operands=tf32;"
+                    "t:cumulative_gates=1;t:cumulative_gates=1,fused_outputs=1;"
+                    "t:cumulative_gates=1,fused_outputs=1,scan_lookahead=1",
+                    "Variants to time, in order (see the module docstring), separated by ';' (or by ',' when no "
+                    "tuning among them changes more than one field).")
 flags.DEFINE_integer("timed_calls", 30, "Event-timed calls per variant (median reported).")
 FLAGS = flags.FLAGS
 
@@ -64,6 +66,11 @@ def patched(name):
             setattr(module, attr, value)
 
 
+def variants(text):
+    """--ablations as a list: split at ';', or at ',' if there is no ';'."""
+    return [name.strip() for name in text.split(";" if ";" in text else ",") if name.strip()]
+
+
 def main(argv):
     del argv
     import jax
@@ -81,7 +88,7 @@ def main(argv):
     ref = {n: ref[n] for n in ("o", "state")}
     print(f"bounded inference forward, {jax.devices()[0].device_kind}, B x T x H x D = {FLAGS.shape}, timed by "
           f"{timer}")
-    for name in FLAGS.ablations:
+    for name in variants(FLAGS.ablations):
         jax.clear_caches()  # the kernels are traced again under this variant's patch
         tuning = Tuning.from_string(name[2:]) if name.startswith("t:") else Tuning()
         with patched("base" if name.startswith("t:") else name):

@@ -33,3 +33,9 @@ def test_unknown_ablations_are_refused():
     with pytest.raises(ValueError, match="ablation must be one of"):
         with ablate_kda_scores.patched("no_such_stage"):
             pass
+
+
+def test_ablation_lists_split_at_semicolons_when_a_tuning_has_several_fields():
+    assert ablate_kda_scores.variants("base,no_solve") == ["base", "no_solve"]
+    assert ablate_kda_scores.variants("base; t:cumulative_gates=1,fused_outputs=1") == [
+        "base", "t:cumulative_gates=1,fused_outputs=1"]

@@ -755,13 +755,15 @@ def _mosaic_inference_forward(monkeypatch, tuning, seed, value_dim, recorded):
     return x, ids, ran, traced
 
 
-def test_fused_outputs_in_the_inference_forward(monkeypatch):
+@pytest.mark.parametrize("programs", [256, pytest.param(0, marks=pytest.mark.slow)])
+def test_fused_outputs_in_the_inference_forward(monkeypatch, programs):
     # Tuning.fused_outputs: the inference forward's w and u from the scores kernel (no T, kb or output kernel), o and
     # the final state within the bf16 bar (inside _mosaic_inference_forward); the fused path must be the one that ran.
+    # mosaic_output_programs 0: o inside the Mosaic scan after it; 256: the states-only scan and the output kernel.
     from pallas_kernels.kda import pallas_fwd
     from pallas_kernels.kda.pallas_fwd import Tuning
     fused = _record_calls(monkeypatch, [(pallas_fwd, "_fused_lean_forward"), (pallas_fwd, "_split_outputs")])
-    _mosaic_inference_forward(monkeypatch, Tuning(fused_outputs=True), 4, 64, ())
+    _mosaic_inference_forward(monkeypatch, Tuning(fused_outputs=True, mosaic_output_programs=programs), 4, 64, ())
     assert fused == ["_fused_lean_forward"]
 
 
