@@ -13,6 +13,7 @@ alternate between chunks, so a chunk's stores overlap the next chunk's products.
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -102,17 +103,36 @@ def _v_new_and_decay(u_s, w_s, state_s, d_s, key_dim, tile):
     return v_new, _load_decay(d_s, key_dim, tile)
 
 
+class _Scan(NamedTuple):
+    """The sizes of a forward scan over chunk tiles w [BN, HV, C, K] and u [BN, HV, C, V] from an initial state
+    [B, HV, K, V], and the shared-memory transforms of its bf16 operands."""
+
+    chunks: int
+    value_heads: int
+    chunk: int
+    key_dim: int
+    value_dim: int
+    batch: int
+    num_chunks: int
+    dtype: object
+    operand: tuple
+
+
+def _forward_scan(name, w, u, initial_state, tile, *tiles):
+    """_Scan of a forward scan, after _check on w, the other `tiles` and u."""
+    chunks, value_heads, chunk, key_dim = w.shape
+    value_dim = u.shape[-1]
+    batch = initial_state.shape[0]
+    _check(name, (w, *tiles, u), chunk, key_dim, value_dim, tile)
+    return _Scan(chunks, value_heads, chunk, key_dim, value_dim, batch, chunks // batch, u.dtype, _transforms(tile))
+
+
 def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
     """w, kd: [BN, HV, C, K]; u: [BN, HV, C, V] (bf16); d: [BN, HV, K] fp32; initial_state: [B, HV, K, V] fp32;
     interpret: False, True or a plgpu.InterpretGPUParams (_interpreted). Returns (final state [B, HV, K, V] fp32,
     every chunk's incoming state [BN, HV, K, V] and v_new [BN, HV, C, V] in u's dtype)."""
-    chunks, value_heads, chunk, key_dim = w.shape
-    value_dim = u.shape[-1]
-    batch = initial_state.shape[0]
-    num_chunks = chunks // batch
-    dtype = u.dtype
-    _check("states_scan", (w, kd, u), chunk, key_dim, value_dim, tile)
-    operand = _transforms(tile)
+    chunks, value_heads, chunk, key_dim, value_dim, batch, num_chunks, dtype, operand = _forward_scan(
+        "states_scan", w, u, initial_state, tile, kd)
 
     def body(w_g, kd_g, u_g, d_g, s0_g, s_out_g, states_g, v_new_g, s_smem, states_smem, v_new_smem, bar):
         b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
@@ -143,7 +163,18 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
         state = pipeline(w_g.at[rows, h], kd_g.at[rows, h], u_g.at[rows, h, :, cols], d_g.at[rows, h])
         _store_state(state, s_smem, s_out_g.at[b, h, :, cols])
 
-    kernel = plgpu.kernel(
+    with _interpreted(interpret):
+        return _states_kernel(body, u, initial_state, key_dim, tile, "kda_states_fwd_mosaic")(w, kd, u, d,
+                                                                                             initial_state)
+
+
+def _states_kernel(body, u, initial_state, key_dim, tile, name):
+    """The plgpu.kernel of a forward state scan `body` (states_scan, states_scan_lookahead): outputs the final state
+    (fp32), every chunk's incoming state and v_new (u's dtype); scratch: an fp32 [K, tile] state buffer, two bf16
+    slots each for the stored state and v_new, one barrier; grid (batch, value heads, value tiles)."""
+    chunks, value_heads, chunk, value_dim = u.shape
+    dtype, operand = u.dtype, _transforms(tile)
+    return plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct(initial_state.shape, _F32),
                   jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), dtype),
@@ -152,11 +183,9 @@ def states_scan(w, kd, u, d, initial_state, *, tile=32, interpret=False):
                        plgpu.SMEM((2, key_dim, tile), dtype, transforms=operand),
                        plgpu.SMEM((2, chunk, tile), dtype, transforms=operand),
                        plgpu.Barrier(num_barriers=1)],
-        grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"), kernel_name="kda_states_fwd_mosaic",
+        grid=(initial_state.shape[0], value_heads, value_dim // tile), grid_names=("b", "h", "t"), kernel_name=name,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
-    with _interpreted(interpret):
-        return kernel(w, kd, u, d, initial_state)
 
 
 def lookahead_operands(w, kd, d, batch):
@@ -182,13 +211,8 @@ def states_scan_lookahead(w, kd, u, d, initial_state, *, tile=32, interpret=Fals
     and their products are issued together. Step n reads A_n, B_n, u_n and kd_(n-1), d_(n-1); one extra step after
     the last chunk forms the final state. The shared-memory S and v of the previous step are the MMAs' operands
     (bf16, as states_scan rounds them; A_n and B_n are rounded to bf16 too)."""
-    chunks, value_heads, chunk, key_dim = w.shape
-    value_dim = u.shape[-1]
-    batch = initial_state.shape[0]
-    num_chunks = chunks // batch
-    dtype = u.dtype
-    _check("states_scan_lookahead", (w, kd, u), chunk, key_dim, value_dim, tile)
-    operand = _transforms(tile)
+    chunks, value_heads, chunk, key_dim, value_dim, batch, num_chunks, dtype, operand = _forward_scan(
+        "states_scan_lookahead", w, u, initial_state, tile, kd)
     a, b_mat = lookahead_operands(w, kd, d, batch)
 
     def body(a_g, b_g, kd_g, d_g, u_g, s0_g, s_out_g, states_g, v_new_g, s_smem, states_smem, v_new_smem, bar):
@@ -243,21 +267,9 @@ def states_scan_lookahead(w, kd, u, d, initial_state, *, tile=32, interpret=Fals
                          u_g.at[rows, h, :, cols])
         _store_state(state, s_smem, s_out_g.at[b, h, :, cols])
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct(initial_state.shape, _F32),
-                  jax.ShapeDtypeStruct((chunks, value_heads, key_dim, value_dim), dtype),
-                  jax.ShapeDtypeStruct(u.shape, dtype)),
-        scratch_types=[plgpu.SMEM((key_dim, tile), _F32, transforms=_transforms(tile, 4)),
-                       plgpu.SMEM((2, key_dim, tile), dtype, transforms=operand),
-                       plgpu.SMEM((2, chunk, tile), dtype, transforms=operand),
-                       plgpu.Barrier(num_barriers=1)],
-        grid=(batch, value_heads, value_dim // tile), grid_names=("b", "h", "t"),
-        kernel_name="kda_states_fwd_lookahead_mosaic",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )
     with _interpreted(interpret):
-        return kernel(a, b_mat, kd, d, u, initial_state)
+        return _states_kernel(body, u, initial_state, key_dim, tile, "kda_states_fwd_lookahead_mosaic")(
+            a, b_mat, kd, d, u, initial_state)
 
 
 def states_output_scan(w, kd, u, d, qg, aqk, initial_state, *, out_dtype, tile=32, interpret=False):
@@ -267,13 +279,8 @@ def states_output_scan(w, kd, u, d, qg, aqk, initial_state, *, out_dtype, tile=3
     lo = Aqk - hi, whose products sum to more precision than TF32's. w, kd, qg: [BN, HV, C, K]; u: [BN, HV, C, V]
     (bf16); d: [BN, HV, K] fp32; aqk: [BN, HV, C, C] fp32 or bf16; initial_state: [B, HV, K, V] fp32. Returns
     (o [BN, C, HV, V] in out_dtype, final state [B, HV, K, V] fp32)."""
-    chunks, value_heads, chunk, key_dim = w.shape
-    value_dim = u.shape[-1]
-    batch = initial_state.shape[0]
-    num_chunks = chunks // batch
-    dtype = u.dtype
-    _check("states_output_scan", (w, kd, u, qg), chunk, key_dim, value_dim, tile)
-    operand = _transforms(tile)
+    chunks, value_heads, chunk, key_dim, value_dim, batch, num_chunks, dtype, operand = _forward_scan(
+        "states_output_scan", w, u, initial_state, tile, kd, qg)
     split = aqk.dtype == _F32  # a bf16 Aqk is its own hi part
 
     def body(w_g, kd_g, u_g, d_g, qg_g, aqk_g, s0_g, o_g, s_out_g, s_smem, state_smem, v_new_smem, parts_smem,
