@@ -15,10 +15,9 @@ its forward's error against the reference (o and the final state at bench_kda's 
 that is right (a tuning) can be judged on both.
 """
 
-import types
-
 import contextlib
 import time
+import types
 
 import numpy as np
 from absl import app, flags
