@@ -672,6 +672,18 @@ def block_diagonal(blocks):
     return jnp.where(same, full, 0.0)
 
 
+def _scores_launch(q, k, g, *, scale, dense, tuning, interpret, precision):
+    """What the split forward's two scores kernels (_score_kernel, _scores_outputs_kernel) share: the diagonal
+    blocks' kernel outputs, if it runs (extra inputs), the keyword arguments of the kernel body, and its warps."""
+    chunk = q.shape[1]
+    diagonal = not dense and tuning.diagonal_kernel and chunk % blk.ROWS == 0
+    extra = diagonal_scores(q, k, g, scale=scale, warps=tuning.diagonal_warps, interpret=interpret) if diagonal else ()
+    kernel_kw = dict(scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile, fused=tuning.fused_scores,
+                     diagonal=diagonal,
+                     solve_bf16=tuning.solve_operands == "bf16" and q.dtype in (jnp.bfloat16, jnp.float16))
+    return extra, kernel_kw, tuning.intra_warps if dense or diagonal else tuning.pairwise_warps
+
+
 def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning, interpret, precision, store_dtype,
                          save_scores, lean=False):
     """intra_forward as three kernels: scores and solve per chunk, then outputs per (chunk, channel tile)."""
@@ -688,23 +700,21 @@ def _split_intra_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tunin
                                    interpret=interpret, precision=precision, store_dtype=store_dtype)
     squares = 2 if lean else 3  # Aqk, (Akk,) T
     out_specs, out_shape = [chunk_tile(chunk, chunk)] * squares, [square] * squares
-    diagonal = not dense and tuning.diagonal_kernel and chunk % blk.ROWS == 0
-    extra = diagonal_scores(q, k, g, scale=scale, warps=tuning.diagonal_warps, interpret=interpret) if diagonal else ()
+    extra, kernel_kw, warps = _scores_launch(q, k, g, scale=scale, dense=dense, tuning=tuning, interpret=interpret,
+                                             precision=precision)
     if gated:  # then qg, kb, kd [BN, HV, C, K] and d [BN, HV, K]
         out_specs += [chunk_tile(chunk, key_dim)] * 3 + [chunk_vector(key_dim)]
         out_shape += [jax.ShapeDtypeStruct((chunks, value_heads, chunk, key_dim), store_dtype)] * 3 + [
             jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32)]
     outs = pl.pallas_call(
-        functools.partial(_score_kernel, scale=scale, dense=dense, precision=precision, tile=tuning.intra_tile,
-                          fused=tuning.fused_scores, squares=squares, gated=gated, diagonal=diagonal,
-                          solve_bf16=tuning.solve_operands == "bf16" and q.dtype in (jnp.bfloat16, jnp.float16),
-                          cumulative=tuning.cumulative_gates),
+        functools.partial(_score_kernel, squares=squares, gated=gated, cumulative=tuning.cumulative_gates,
+                          **kernel_kw),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6]] + [
             chunk_tile(chunk, blk.ROWS)] * len(extra),
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=compiler_params(tuning.intra_warps if dense or diagonal else tuning.pairwise_warps),
+        compiler_params=compiler_params(warps),
         interpret=interpret,
         name="kda_scores_fwd",
     )(q, k, chunk_cumsum(g, interpret=interpret) if tuning.cumulative_gates else g, beta, doc, doc_prev, *extra)
@@ -720,13 +730,11 @@ def _fused_lean_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning
     chunks, chunk, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
     specs = input_specs(chunk, key_dim, value_dim, value_heads // heads)
-    diagonal = not dense and tuning.diagonal_kernel and chunk % blk.ROWS == 0
-    extra = diagonal_scores(q, k, g, scale=scale, warps=tuning.diagonal_warps, interpret=interpret) if diagonal else ()
+    extra, kernel_kw, warps = _scores_launch(q, k, g, scale=scale, dense=dense, tuning=tuning, interpret=interpret,
+                                             precision=precision)
     tiles = lambda d: jax.ShapeDtypeStruct((chunks, value_heads, chunk, d), store_dtype)  # noqa: E731
     aqk, qg, kd, d, w, u = pl.pallas_call(
-        functools.partial(_scores_outputs_kernel, scale=scale, dense=dense, precision=precision,
-                          tile=tuning.intra_tile, fused=tuning.fused_scores, diagonal=diagonal,
-                          solve_bf16=tuning.solve_operands == "bf16" and q.dtype in (jnp.bfloat16, jnp.float16)),
+        functools.partial(_scores_outputs_kernel, **kernel_kw),
         grid=(chunks, value_heads),
         in_specs=[specs[0], specs[1], specs[3], specs[4], specs[5], specs[6], specs[2]] + [
             chunk_tile(chunk, blk.ROWS)] * len(extra),
@@ -735,7 +743,7 @@ def _fused_lean_forward(q, k, v, g, beta, doc, doc_prev, *, scale, dense, tuning
         out_shape=[jax.ShapeDtypeStruct((chunks, value_heads, chunk, chunk), score_dtype(precision))] + [
             tiles(key_dim)] * 2 + [jax.ShapeDtypeStruct((chunks, value_heads, key_dim), _F32), tiles(key_dim),
                                    tiles(value_dim)],
-        compiler_params=compiler_params(tuning.intra_warps if dense or diagonal else tuning.pairwise_warps),
+        compiler_params=compiler_params(warps),
         interpret=interpret,
         name="kda_scores_outputs_fwd",
     )(q, k, chunk_cumsum(g, interpret=interpret), beta, doc, doc_prev, v, *extra)
