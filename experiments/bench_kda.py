@@ -51,6 +51,8 @@ flags.DEFINE_enum("timer", "events", ["events", "wall", "both"], "How the JAX ro
                   "calls with one synchronisation each, or both (the wall figures as extra fields).")
 flags.DEFINE_float("deadline_s", 0.0, "Start no new JAX measurement after this many seconds (0: no deadline).")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_<card>.json / .md are written (card: h200, h100...).")
+flags.DEFINE_string("plot_from", "", "Only redraw the chart of an earlier run's kda_<card>.json (written beside it as .png) "
+                    "and exit.")
 flags.DEFINE_string("fla_worker", "", "Internal: run the fla timings for this job file and exit.")
 flags.DEFINE_integer("fla_timeout", 400, "Seconds the fla child may take; the JAX rows are written before it starts.")
 
@@ -429,6 +431,43 @@ def write_tables(rows, versions, out_dir):
     print("\n".join(lines))
 
 
+def write_plot(rows, path, title):
+    """Each row's forward and forward+backward time as a multiple of its memory floor, one group of bars per
+    shape, so that the four shapes share one axis; the milliseconds are written on the bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({(r["B"], r["T"], r["H"], r["D"]) for r in rows}, key=lambda s: (s[0] * s[1], s[0]))
+    series = list(dict.fromkeys((r["variant"], r.get("tuning", "-")) for r in rows))
+    by_key = {(r["variant"], r.get("tuning", "-"), r["B"], r["T"], r["H"], r["D"]): r for r in rows}
+    width = 0.8 / len(series)
+    fig, axes = plt.subplots(1, 2, figsize=(6 + 1.6 * len(shapes), 4.2), sharey=True)
+    for ax, key, scale, label in ((axes[0], "fwd_ms", 1.0, "forward"), (axes[1], "fwdbwd_ms", 3.2, "forward+backward")):
+        for i, (variant, tuning) in enumerate(series):
+            xs, ys, ms = [], [], []
+            for j, shape in enumerate(shapes):
+                row = by_key.get((variant, tuning, *shape))
+                if row is not None:
+                    xs.append(j - 0.4 + (i + 0.5) * width)
+                    ys.append(row[key] / (scale * floor_ms(*shape)))
+                    ms.append(row[key])
+            name = variant if tuning in ("-", "base") else f"{variant} [{tuning}]"
+            bars = ax.bar(xs, ys, width, label=name,
+                          color=f"C{i}", hatch="//" if variant.endswith("unbounded") else None, edgecolor="white")
+            ax.bar_label(bars, [f"{m:.2f}" for m in ms], fontsize=6, rotation=90, padding=2)
+        ax.set_xticks(range(len(shapes)), [f"{b}x{t // 1024}K" for b, t, _, _ in shapes])
+        ax.set_title(f"{label} (ms on the bars)", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("time / memory floor at 4.3 TB/s")
+    axes[0].set_ylim(0, axes[0].get_ylim()[1] * 1.12)
+    axes[1].legend(fontsize=7, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _versions():
     import jax
     import jaxlib
@@ -445,6 +484,13 @@ def main(argv):
     del argv
     if FLAGS.fla_worker:
         return fla_worker(FLAGS.fla_worker)
+    if FLAGS.plot_from:
+        with open(FLAGS.plot_from) as f:
+            rows = json.load(f)
+        path = os.path.splitext(FLAGS.plot_from)[0] + ".png"
+        write_plot(rows, path, f"Chunked KDA, H = {rows[0]['H']}, D = {rows[0]['D']}, bf16 "
+                               f"({os.path.basename(FLAGS.plot_from)})")
+        return print(f"wrote {path}")
     import jax
     from pallas_kernels.kda.pallas_fwd import Tuning
     start = time.perf_counter()
@@ -503,6 +549,10 @@ def main(argv):
     if fla_jobs and not FLAGS.fla_first:
         run_fla()
     save()
+    if rows:
+        path = os.path.join(FLAGS.out_dir, result_name(versions["gpu"]) + ".png")
+        write_plot(rows, path, f"Chunked KDA on {versions['gpu']}, H = {rows[0]['H']}, D = {rows[0]['D']}, bf16")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
