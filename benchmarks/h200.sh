@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 measurements, in the order the issues need them; each writes its result files under
 # ${OUT:-benchmarks/results}. Needs gin-config and grain (and fla-core for the KDA anchor) installed
-# beside the image's JAX; run from the repository root. Pass step names to run a subset:
+# beside the image's JAX; run from the repository root. Each KDA step fits one 10-minute command. Pass step names to run
+# a subset:
 #   bash benchmarks/h200.sh kda attn_res
 set -u
 OUT=${OUT:-benchmarks/results}
@@ -10,16 +11,23 @@ steps=("$@")
 for step in "${steps[@]}"; do
   echo "== $step"
   case $step in
-    kda)  # all four shapes, every variant, flash-linear-attention timed in the same run (first: its autotuning)
-      python3 -m experiments.bench_kda --fla_first --repeats=20 --out_dir="$OUT" ;;
+    kda)  # all four shapes, both gates, flash-linear-attention timed in the same run (first: its autotuning, ~250 s),
+      # the bounded kernels also with the open candidates; about 9 minutes
+      python3 -m experiments.bench_kda --fla_first --repeats=20 \
+        --shapes=4x8192x16x128,1x32768x16x128,1x8192x16x128,1x131072x16x128 \
+        --variants=fla_bounded,fla_unbounded,pallas_bounded,pallas_unbounded --tuned=pallas_bounded \
+        --tunings="base;cumulative_gates=1,fused_outputs=1,scan_lookahead=1" --fla_timeout=330 --deadline_s=540 \
+        --out_dir="$OUT" ;;
+    kda_xla)  # the chunked XLA path (the correctness reference, tens of ms), in its own folder
+      python3 -m experiments.bench_kda --repeats=10 --xla_repeats=3 --variants=xla_bounded,xla_unbounded \
+        --deadline_s=500 --out_dir="$OUT/kda_xla" ;;
     kda_ablate)  # where the bounded scores kernel's time goes, and the open forward candidates, by CUDA events
       (python3 -m experiments.ablate_kda_scores --shape=4x8192x16x128 &&
        python3 -m experiments.ablate_kda_scores --shape=1x32768x16x128) | tee "$OUT/kda_ablate_h200.txt" ;;
-    kda_candidates)  # the open candidates (Tuning.cumulative_gates, fused_outputs, scan_lookahead) against the
-      # defaults, each added to the one before, then every bar with all three
-      python3 -m experiments.bench_kda --repeats=20 --variants=pallas_bounded,pallas_unbounded --tuned=pallas_bounded \
-        --tunings="base;cumulative_gates=1;cumulative_gates=1,fused_outputs=1;cumulative_gates=1,fused_outputs=1,scan_lookahead=1" \
-        --out_dir="$OUT/kda_candidates" &&
+    kda_candidates)  # the open candidates (Tuning.cumulative_gates, fused_outputs, scan_lookahead) one at a time
+      # against the defaults, then every bar with all three
+      python3 -m experiments.bench_kda --repeats=20 --variants=pallas_bounded --deadline_s=300 \
+        --tunings="base;cumulative_gates=1;fused_outputs=1;scan_lookahead=1" --out_dir="$OUT/kda_candidates" &&
       python3 -m experiments.verify_kda --tuning=cumulative_gates=1,fused_outputs=1,scan_lookahead=1 \
         --out="$OUT/kda_verify_candidates_h200.txt" ;;
     kda_model)  # whole-model losses, Pallas vs XLA KDA
@@ -38,6 +46,6 @@ for step in "${steps[@]}"; do
         --out="$OUT/memory_h200" ;;
     long_context)  # small_h200.gin forward+backward at 8K, 64K, 256K, 1M
       python3 -m experiments.bench_long_context --out="$OUT/long_context_h200" ;;
-    *) echo "unknown step $step (kda, kda_ablate, kda_candidates, kda_model, attn_res_kernel, attn_res, attention, memory, long_context)"; exit 2 ;;
+    *) echo "unknown step $step (kda, kda_xla, kda_ablate, kda_candidates, kda_model, attn_res_kernel, attn_res, attention, memory, long_context)"; exit 2 ;;
   esac
 done
