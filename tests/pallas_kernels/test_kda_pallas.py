@@ -710,6 +710,14 @@ def _mosaic_against_triton(monkeypatch, run, kernel, tile_field, tile, reference
         assert relative_rms_error(c, b) < tol, name
 
 
+# The bar for a state scan against states_scan_reference, which rounds S and v_new to bf16 where the kernels do. The
+# fp32 sums before each rounding are accumulated in another order by the interpreter than by the CPU's dot, so now
+# and then one element lands on the other side of a bf16 rounding boundary: one ulp in one v_new entry moves its
+# state column, about 4e-5 relative RMS over the final state. Leaving S and v_new unrounded (the fp32 recurrence) is
+# 2.4e-3 away, so this bar still tells the kernels' rounding from none.
+_ROUNDED_SCAN_BAR = 2e-4
+
+
 def _scan_operands(rng, batch, num_chunks, heads, chunk, key_dim, value_dim):
     """Random bf16 chunk tiles [BN, HV, C, K] (three), values [BN, HV, C, V], time-major values [BN, C, HV, V], decays
     [BN, HV, K] and a state [B, HV, K, V]."""
@@ -732,7 +740,8 @@ def test_mosaic_state_scan_matches_the_triton_kernel(monkeypatch, tile):
     run = lambda tuning: pallas_scan._states_scan(w, kd, u, d, s0, tuning=tuning, interpret=True,  # noqa: E731
                                                   precision=None)
     _mosaic_against_triton(monkeypatch, run, "states_scan", "state_tile", tile,
-                           mosaic_scan.states_scan_reference(w, kd, u, d, s0), ("final", "states", "v_new"), 1e-6)
+                           mosaic_scan.states_scan_reference(w, kd, u, d, s0), ("final", "states", "v_new"),
+                           _ROUNDED_SCAN_BAR)
 
 
 def _mosaic_inference_forward(monkeypatch, tuning, seed, value_dim, recorded):
@@ -849,13 +858,17 @@ def test_mosaic_scans_have_no_data_races():
 @pytest.mark.parametrize("tile", [32] + [pytest.param(t, marks=pytest.mark.slow) for t in (16, 64)])
 def test_mosaic_states_output_scan_matches_reference(tile):
     # Tuning(mosaic_output=True)'s kernel: the forward state scan with o = qg S + Aqk v_new computed in it, in Mosaic
-    # GPU's interpreter, against the jnp recurrence; two sequences, two heads. With an fp32 output the split of Aqk
-    # into bf16 hi and lo parts must be far closer than Aqk rounded to bf16 alone (1e-3 here).
+    # GPU's interpreter: the final state against the jnp recurrence, o against fp32 products of the scan's S and v_new;
+    # two sequences, two heads. With an fp32 output the split of Aqk into bf16 hi and lo parts must be far closer
+    # than Aqk rounded to bf16 alone (1e-3 here).
     from pallas_kernels.kda import mosaic_scan
     rng = np.random.default_rng(tile)
     (w, qg, kd), u, _, d, s0 = _scan_operands(rng, 2, 3, 2, 64, 64, 64)
     aqk = jnp.asarray(np.tril(rng.normal(size=(6, 2, 64, 64)) * 0.1), jnp.float32)
-    final_ref, states, v_new = mosaic_scan.states_scan_reference(w, kd, u, d, s0)
+    final_ref = mosaic_scan.states_scan_reference(w, kd, u, d, s0)[0]
+    # o from the plain Mosaic scan's S and v_new (the same rounding of each as in this kernel; see _ROUNDED_SCAN_BAR),
+    # so that the fp32 tolerance measures the output's products alone
+    _, states, v_new = mosaic_scan.states_scan(w, kd, u, d, s0, tile=tile, interpret=True)
     mm = lambda spec, a, b: jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32),  # noqa: E731
                                        precision=jax.lax.Precision.HIGHEST)
     o_ref = mm("nhck,nhkv->nchv", qg, states) + mm("nhcs,nhsv->nchv", aqk, v_new)
@@ -863,7 +876,7 @@ def test_mosaic_states_output_scan_matches_reference(tile):
         o, final = mosaic_scan.states_output_scan(w, kd, u, d, qg, aqk, s0, out_dtype=out_dtype, tile=tile,
                                                   interpret=True)
         assert o.dtype == out_dtype and o.shape == (6, 64, 2, 64)
-        assert relative_rms_error(np.asarray(final_ref), np.asarray(final)) < 1e-6
+        assert relative_rms_error(np.asarray(final_ref), np.asarray(final)) < _ROUNDED_SCAN_BAR
         assert relative_rms_error(np.asarray(o_ref), np.asarray(o, np.float32)) < tol, out_dtype
     hi_only = mm("nhck,nhkv->nchv", qg, states) + mm("nhcs,nhsv->nchv", aqk.astype(jnp.bfloat16), v_new)
     assert relative_rms_error(np.asarray(o_ref), np.asarray(hi_only)) > 1e-4  # the lo part matters at this tolerance
