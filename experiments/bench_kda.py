@@ -51,8 +51,8 @@ flags.DEFINE_enum("timer", "events", ["events", "wall", "both"], "How the JAX ro
                   "calls with one synchronisation each, or both (the wall figures as extra fields).")
 flags.DEFINE_float("deadline_s", 0.0, "Start no new JAX measurement after this many seconds (0: no deadline).")
 flags.DEFINE_string("out_dir", "benchmarks/results", "Where kda_<card>.json / .md are written (card: h200, h100...).")
-flags.DEFINE_string("plot_from", "", "Only redraw the chart of an earlier run's kda_<card>.json (written beside it as .png) "
-                    "and exit.")
+flags.DEFINE_string("plot_from", "", "Only redraw the chart of an earlier run's kda_<card>.json (written beside it "
+                    "as .png) and exit.")
 flags.DEFINE_string("fla_worker", "", "Internal: run the fla timings for this job file and exit.")
 flags.DEFINE_integer("fla_timeout", 400, "Seconds the fla child may take; the JAX rows are written before it starts.")
 
@@ -102,6 +102,10 @@ def random_inputs(seed, batch, seq_len, heads, dim, bounded):
 def floor_ms(batch, seq_len, heads, dim):
     """Memory floor of the forward: q, k, v bf16 and g fp32 read once, o bf16 written once."""
     return batch * seq_len * heads * (3 * 2 * dim + 4 * dim + 2 * dim) / BANDWIDTH * 1e3
+
+
+# The backward moves about 2.2x the forward's bytes, so the forward+backward floor is this multiple of floor_ms.
+FWDBWD_FLOOR = 3.2
 
 
 _EVENTS = []  # the CudaEvents timer, once built
@@ -415,7 +419,7 @@ def write_tables(rows, versions, out_dir):
              "max_err_ratio = max over o, state, dq, dk, dv, dg, dbeta of "
              "(relative RMS error vs the fp32 token-by-token reference) / bar, at T = "
              f"{FLAGS.verify_len}. Floor: forward bytes B*T*H*(3*2*D + 4*D + 2*D) at 4.3 TB/s; the backward moves 2.2x "
-             "that, so the fwd+bwd floor is 3.2x the forward's. Pallas launch tuning: "
+             f"that, so the fwd+bwd floor is {FWDBWD_FLOOR}x the forward's. Pallas launch tuning: "
              f"{versions.get('tuning', '-')}.",
              "", "| variant | tuning | timer | B | T | H | D | fwd ms | x floor | fwd+bwd ms | x floor | max err/bar |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -424,7 +428,8 @@ def write_tables(rows, versions, out_dir):
         timer = r.get("timer", "events" if r["variant"].startswith("fla") else "wall")
         lines.append(f"| {r['variant']} | {r['tuning']} | {timer} | {r['B']} | {r['T']} | {r['H']} | {r['D']} | "
                      f"{r['fwd_ms']:.3f} | "
-                     f"{r['fwd_ms'] / floor:.1f} | {r['fwdbwd_ms']:.3f} | {r['fwdbwd_ms'] / (3.2 * floor):.1f} | "
+                     f"{r['fwd_ms'] / floor:.1f} | {r['fwdbwd_ms']:.3f} | "
+                     f"{r['fwdbwd_ms'] / (FWDBWD_FLOOR * floor):.1f} | "
                      f"{r['max_err_ratio']:.3f} |")
     with open(os.path.join(out_dir, name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -443,7 +448,8 @@ def write_plot(rows, path, title):
     by_key = {(r["variant"], r.get("tuning", "-"), r["B"], r["T"], r["H"], r["D"]): r for r in rows}
     width = 0.8 / len(series)
     fig, axes = plt.subplots(1, 2, figsize=(6 + 1.6 * len(shapes), 4.2), sharey=True)
-    for ax, key, scale, label in ((axes[0], "fwd_ms", 1.0, "forward"), (axes[1], "fwdbwd_ms", 3.2, "forward+backward")):
+    panels = ((axes[0], "fwd_ms", 1.0, "forward"), (axes[1], "fwdbwd_ms", FWDBWD_FLOOR, "forward+backward"))
+    for ax, key, scale, label in panels:
         for i, (variant, tuning) in enumerate(series):
             xs, ys, ms = [], [], []
             for j, shape in enumerate(shapes):
